@@ -1,0 +1,1 @@
+"""minilade: a pure-PyTorch LLaMA inference engine built around Lookahead Decoding."""
