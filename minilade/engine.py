@@ -1,0 +1,161 @@
+"""The generation loop, written once for every strategy, and the library's front door, `LLM`.
+
+    llm = LLM.load("smollm2-135m-instruct")            # or a .gguf file, a folder, a Hugging Face repo id
+    out = llm.generate("Write a haiku about caches.", chat=True, max_new_tokens=64)
+    print(out.text, out.stats.summary())
+    for piece in llm.stream("def fib(n):", strategy=Lookahead(window=7, ngram=5, guesses=7)):
+        print(piece, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from .kv_cache import KVCache
+from .model import Transformer, build_model
+from .sampling import Sampler, SamplingParams
+from .strategies import Autoregressive, DecodeContext, Strategy
+
+
+@dataclass
+class GenerationStats:
+    """What one generation did. A step is one forward pass after the prefill."""
+
+    strategy: str = ""
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    tokens_per_step: Counter = field(default_factory=Counter)  # tokens emitted by a step -> number of such steps
+
+    @property
+    def forward_passes(self) -> int:
+        return self.steps + 1
+
+    @property
+    def compression(self) -> float:
+        """New tokens per forward pass, prefill included (1.0 for autoregressive decoding)."""
+        return self.new_tokens / self.forward_passes
+
+    @property
+    def tokens_per_s(self) -> float:
+        """End to end: new tokens over prefill plus decoding time."""
+        total = self.prefill_s + self.decode_s
+        return self.new_tokens / total if total else 0.0
+
+    @property
+    def step_ms(self) -> float:
+        return 1e3 * self.decode_s / self.steps if self.steps else 0.0
+
+    def summary(self) -> str:
+        hist = " ".join(f"{k}:{v}" for k, v in sorted(self.tokens_per_step.items()))
+        return (f"[{self.strategy}] prompt {self.prompt_tokens} tok, new {self.new_tokens} tok in "
+                f"{self.forward_passes} passes ({self.compression:.2f} tok/pass), prefill {self.prefill_s * 1e3:.0f} ms, "
+                f"decode {self.decode_s * 1e3:.0f} ms ({self.step_ms:.1f} ms/step), {self.tokens_per_s:.1f} tok/s"
+                + (f", tokens/step histogram {hist}" if hist else ""))
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["tokens_per_step"] = {int(k): v for k, v in sorted(self.tokens_per_step.items())}
+        d.update(forward_passes=self.forward_passes, compression=self.compression,
+                 tokens_per_s=self.tokens_per_s, step_ms=self.step_ms)
+        return d
+
+
+@dataclass
+class TokenRun:
+    """Outcome of decode_tokens: filled in as tokens are consumed."""
+
+    stats: GenerationStats
+    finish_reason: str = ""  # "eos", "length", "context" (or "stop", set by the text layer)
+
+
+def check_prompt(prompt: Sequence[int], model: Transformer) -> None:
+    config = model.config
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if len(prompt) >= config.max_seq_len:
+        raise ValueError(f"the prompt has {len(prompt)} tokens but the model's context is {config.max_seq_len} "
+                         f"tokens; shorten the prompt")
+    bad = [t for t in prompt if not 0 <= t < config.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {config.vocab_size})")
+
+
+def decode_tokens(model: Transformer, prompt: Sequence[int], run: TokenRun, *, strategy: Strategy,
+                  sampling: SamplingParams, max_new_tokens: int, eos_ids: Sequence[int] = (),
+                  cache: KVCache | None = None) -> Iterator[int]:
+    """Yield new token ids one at a time until EOS (yielded, then stop), max_new_tokens or the context is full.
+
+    The consumer may stop early (a stop string); run.stats then counts only the tokens it took.
+    `cache` is reused when given and large enough.
+    """
+    check_prompt(prompt, model)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    limit = min(model.config.max_seq_len, len(prompt) + max_new_tokens)
+    capacity = limit + strategy.max_step_tokens()
+    if cache is None or cache.capacity < capacity:
+        cache = model.new_cache(capacity)
+    cache.truncate(0)
+    ctx = DecodeContext(model, cache, Sampler(sampling, model.device), list(prompt), model.config.max_seq_len)
+    stats = run.stats
+    stats.strategy, stats.prompt_tokens = strategy.name, len(prompt)
+    eos = frozenset(eos_ids)
+    with torch.inference_mode():
+        decoder = strategy.make_decoder(ctx)
+        start = time.perf_counter()
+        block = decoder.prefill()
+        stats.prefill_s = time.perf_counter() - start
+        while True:
+            for token in block:
+                stats.new_tokens += 1
+                yield token
+                if token in eos:
+                    run.finish_reason = "eos"
+                elif stats.new_tokens >= max_new_tokens:
+                    run.finish_reason = "length"
+                elif len(prompt) + stats.new_tokens >= limit:
+                    run.finish_reason = "context"
+                if run.finish_reason:
+                    return
+            start = time.perf_counter()
+            block = decoder.step()
+            stats.decode_s += time.perf_counter() - start
+            stats.steps += 1
+            stats.tokens_per_step[len(block)] += 1
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """bfloat16 where the hardware computes in it natively; float32 on CPUs that would only emulate it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)} or auto") from None

@@ -1,0 +1,60 @@
+"""A static, preallocated key/value cache with a committed length, speculative rows, rollback and compaction."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+class KVCache:
+    """Keys and values of every layer in two preallocated buffers.
+
+    k, v: (n_layers, B, Hkv, capacity, D). Slots [0, length) hold committed tokens. A forward pass writes
+    the K/V of its T tokens speculatively at [length, length + T); the caller then decides what to keep:
+    `commit(n)` keeps the first n of them in place, `compact(offsets)` moves chosen rows into place
+    (an accepted lookahead candidate), and anything past `length` is scratch for the next pass.
+    """
+
+    def __init__(self, config: ModelConfig, capacity: int, *, batch_size: int = 1,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        shape = (config.n_layers, batch_size, config.n_kv_heads, capacity, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0
+
+    def check_room(self, n_new: int) -> None:
+        if self.length + n_new > self.capacity:
+            raise ValueError(
+                f"KV cache capacity exceeded: {self.length} committed + {n_new} new tokens > capacity {self.capacity}"
+            )
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v: (B, Hkv, T, D) at [length, length + T) and return views of slots [0, length + T)."""
+        end = self.length + k.shape[2]
+        self.k[layer, :, :, self.length:end] = k
+        self.v[layer, :, :, self.length:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def commit(self, n: int) -> None:
+        """Keep the first n speculative rows, which are already in place."""
+        self.check_room(n)
+        self.length += n
+
+    def compact(self, offsets: torch.Tensor) -> None:
+        """Keep the speculative rows at length + offsets (ascending, offsets[i] >= i), moved to
+        length + 0, 1, ...; the gather copies first, so overlapping moves are safe."""
+        n = offsets.numel()
+        self.check_room(n)
+        src = offsets + self.length
+        end = self.length + n
+        self.k[:, :, :, self.length:end] = self.k.index_select(3, src)
+        self.v[:, :, :, self.length:end] = self.v.index_select(3, src)
+        self.length = end
+
+    def truncate(self, length: int) -> None:
+        """Roll back to the first `length` committed tokens."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length

@@ -1,0 +1,273 @@
+"""The LLaMA transformer: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP.
+
+No sampling and no file formats here. One forward takes arbitrary tokens with their rotary positions, writes
+their keys and values into a KVCache, attends through an optional custom mask, and projects to the vocabulary
+only the rows the caller asks for.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse rotary frequencies (head_dim // 2,), float32, computed as Hugging Face does so that
+    positions rotate bit-identically."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = config.rope_scaling
+    if s.kind == "linear":
+        inv_freq = inv_freq / s.factor
+    elif s.kind == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended smoothly.
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor)
+        blended = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, blended, scaled)
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+def rope_tables(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: (max_seq_len, head_dim), the rotate-half layout (each frequency used for both halves)."""
+    positions = torch.arange(config.max_seq_len, dtype=torch.float32)
+    freqs = torch.outer(positions, rope_inv_freq(config))  # (S, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, H, D); cos, sin: (B or 1, T, 1, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        qkv_dim = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+        self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.attention_bias)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.attention_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        n_qk = self.n_heads + self.n_kv_heads
+        qk = apply_rope(qkv[:, :, :n_qk], cos, sin).transpose(1, 2)  # (B, H + Hkv, T, D)
+        q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
+        v = qkv[:, :, n_qk:].transpose(1, 2)  # (B, Hkv, T, D)
+        first_pass = cache.length == 0
+        keys, values = cache.write(layer, k, v)  # (B, Hkv, S, D), S = cache.length + T
+        y = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=mask is None and first_pass and T > 1,
+            enable_gqa=self.n_heads != self.n_kv_heads,
+        )
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matrix."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Linear(config.dim, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.w_down = nn.Linear(config.intermediate_size, config.dim, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale in the model dtype, as the reference models do.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    def setup_rope(self) -> None:
+        """(Re)build the rotary tables on the weights' device and dtype; call after moving the model."""
+        self.rope_cos, self.rope_sin = rope_tables(self.config, self.dtype, self.device)
+
+    def new_cache(self, capacity: int | None = None, batch_size: int = 1) -> KVCache:
+        return KVCache(self.config, capacity or self.config.max_seq_len, batch_size=batch_size,
+                       dtype=self.dtype, device=self.device)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
+                mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Run tokens through the model and write their K/V into the cache at [cache.length, cache.length + T).
+
+        tokens: (B, T) token ids. input_pos: (T,) or (B, T) rotary positions; independent of cache slots.
+        mask: None for causal attention within the step, or (T, T) bool, True where a row may attend to
+            another row of this step. Committed cache rows are always visible. cache.length is not changed:
+            the caller commits or compacts afterwards.
+        logits_rows: (R,) indices of the rows to project to the vocabulary; None for all T rows.
+        Returns logits: (B, R, V) in the model dtype.
+        """
+        B, T = tokens.shape
+        cache.check_room(T)
+        if input_pos.dim() == 1:
+            input_pos = input_pos.unsqueeze(0)
+        cos, sin = self.rope_cos[input_pos].unsqueeze(2), self.rope_sin[input_pos].unsqueeze(2)  # (B|1, T, 1, D)
+        full_mask = self._full_mask(mask, cache.length, T)
+        x = self.tok_embeddings(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, full_mask)
+        if logits_rows is not None:
+            x = x[:, logits_rows]
+        return self.output(self.norm(x))
+
+    def _full_mask(self, mask: torch.Tensor | None, past: int, T: int) -> torch.Tensor | None:
+        """Extend a step mask (T, T) over the committed prefix: (T, past + T). None means plain causal,
+        which SDPA handles itself when there is no prefix (or a single row)."""
+        if mask is None:
+            if past == 0 or T == 1:
+                return None
+            mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril_()
+        if mask.shape != (T, T):
+            raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({T}, {T}) for {T} tokens")
+        full = torch.ones(T, past + T, dtype=torch.bool, device=self.device)
+        full[:, past:] = mask
+        return full
+
+    # ---- weights -------------------------------------------------------------------------------------------
+
+    def load_hf_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype,
+                        device: torch.device | str) -> None:
+        """Assign weights given under the canonical Hugging Face LLaMA names, converted to dtype/device.
+        Works on a model built on the meta device, so the weights exist in memory only once."""
+        state = hf_to_minilade_state_dict(tensors, self.config, dtype=dtype, device=device)
+        missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
+        missing = [m for m in missing if not (self.config.tie_word_embeddings and m == "output.weight")]
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        if self.config.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.setup_rope()
+
+    def init_random(self, seed: int = 0, std: float = 0.02) -> "Transformer":
+        """Random weights (for tests and benchmarks), reproducible from the seed."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                else:
+                    p.copy_(std * torch.randn(p.shape, generator=gen))
+        self.setup_rope()
+        return self
+
+
+def hf_to_minilade_state_dict(tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, *,
+                              dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Rename Hugging Face LLaMA tensors to this model's names, fusing q/k/v and gate/up as they arrive."""
+    direct = {
+        "model.embed_tokens.weight": "tok_embeddings.weight",
+        "model.norm.weight": "norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    per_layer = {
+        "input_layernorm.weight": "attention_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.o_proj.weight": "attention.wo.weight",
+        "self_attn.o_proj.bias": "attention.wo.bias",
+        "mlp.down_proj.weight": "feed_forward.w_down.weight",
+        "mlp.down_proj.bias": "feed_forward.w_down.bias",
+    }
+    fused = {  # our name -> the HF parts, concatenated in this order along the output dimension
+        "attention.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "feed_forward.w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    }
+    part_of = {f"{part}.{kind}": (ours, kind) for ours, parts in fused.items() for part in parts
+               for kind in ("weight", "bias")}
+    state: dict[str, torch.Tensor] = {}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        tensor = tensor.to(device=device, dtype=dtype)
+        if name in direct:
+            state[direct[name]] = tensor
+            continue
+        if not name.startswith("model.layers."):
+            continue  # e.g. rotary inv_freq buffers
+        layer, rest = name[len("model.layers."):].split(".", 1)
+        prefix = f"layers.{layer}."
+        if rest in per_layer:
+            state[prefix + per_layer[rest]] = tensor
+        elif rest in part_of:
+            ours, kind = part_of[rest]
+            key = f"{prefix}{ours}.{kind}"
+            pending.setdefault(key, {})[rest] = tensor
+            parts = [f"{p}.{kind}" for p in fused[ours]]
+            if all(p in pending[key] for p in parts):
+                done = pending.pop(key)
+                state[key] = torch.cat([done[p] for p in parts], dim=0)
+    if pending:
+        raise ValueError(f"incomplete fused weights: {sorted(pending)[:3]}")
+    return state
+
+
+def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype,
+                device: torch.device | str) -> Transformer:
+    """A Transformer with the given weights, built on the meta device so no random weights are ever allocated."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.load_hf_weights(tensors, dtype=dtype, device=device)
+    return model.eval().requires_grad_(False)
