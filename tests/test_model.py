@@ -1,0 +1,108 @@
+"""The model against transformers' LlamaForCausalLM (an independent implementation), and its KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minilade.config import ModelConfig
+from minilade.model import build_model
+
+from .helpers import tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+HF_VARIANTS = {
+    "mha": dict(num_key_value_heads=4),
+    "gqa-tied": dict(num_key_value_heads=2, tie_word_embeddings=True),
+    "llama3-rope": dict(num_key_value_heads=2, rope_theta=500000.0,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "linear-rope": dict(num_key_value_heads=1, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "bias-headdim": dict(num_key_value_heads=4, attention_bias=True, head_dim=16),
+}
+
+
+def hf_tiny(variant: str, seed: int = 0) -> "transformers.LlamaForCausalLM":
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=128,
+                                      **HF_VARIANTS[variant])
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    with torch.no_grad():  # default init is too close to zero to tell implementations apart
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("variant", sorted(HF_VARIANTS))
+def test_logits_match_transformers(variant: str) -> None:
+    hf = hf_tiny(variant)
+    ours = build_model(ModelConfig.from_hf_config(hf.config.to_dict()), hf.state_dict().items(),
+                       dtype=torch.float64, device="cpu")
+    tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        got = ours(tokens, torch.arange(40), ours.new_cache(64, batch_size=2))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_cached_decoding_equals_uncached() -> None:
+    model = tiny_model(vocab=50, dtype=torch.float64)
+    tokens = torch.randint(0, 50, (1, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(tokens, torch.arange(30), model.new_cache(32))
+        cache = model.new_cache(32)
+        pieces = [model(tokens[:, :7], torch.arange(7), cache)]
+        cache.commit(7)
+        for chunk in [(7, 8), (8, 13), (13, 14), (14, 30)]:  # single tokens and blocks, both with a prefix
+            a, b = chunk
+            pieces.append(model(tokens[:, a:b], torch.arange(a, b), cache))
+            cache.commit(b - a)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-12)
+    assert torch.equal(torch.cat(pieces, dim=1).argmax(-1), full.argmax(-1))
+
+
+def test_logits_rows_selects_rows() -> None:
+    model = tiny_model(vocab=50)
+    tokens = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(3))
+    rows = torch.tensor([0, 5, 11])
+    with torch.no_grad():
+        full = model(tokens, torch.arange(12), model.new_cache(16))
+        some = model(tokens, torch.arange(12), model.new_cache(16), logits_rows=rows)
+    torch.testing.assert_close(some, full[:, rows], rtol=1e-6, atol=1e-6)
+
+
+def test_custom_mask_causal_equals_default() -> None:
+    model = tiny_model(vocab=50)
+    tokens = torch.randint(0, 50, (1, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        cache = model.new_cache(32)
+        model(tokens[:, :4], torch.arange(4), cache)
+        cache.commit(4)
+        default = model(tokens[:, 4:], torch.arange(4, 10), cache)
+        explicit = model(tokens[:, 4:], torch.arange(4, 10), cache, mask=torch.ones(6, 6, dtype=torch.bool).tril())
+    torch.testing.assert_close(default, explicit, rtol=0, atol=0)
+
+
+def test_bad_mask_shape_and_capacity_errors() -> None:
+    model = tiny_model(vocab=50)
+    tokens = torch.zeros(1, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"mask has shape \(4, 4\), expected \(5, 5\)"):
+        cache = model.new_cache(16)
+        cache.commit(2)
+        model(tokens, torch.arange(2, 7), cache, mask=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"capacity exceeded: 0 committed \+ 5 new tokens > capacity 4"):
+        model(tokens, torch.arange(5), model.new_cache(4))
+
+
+def test_bfloat16_forward_close_to_float32() -> None:
+    model = tiny_model(vocab=50, std=0.1)
+    tokens = torch.randint(0, 50, (1, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model(tokens, torch.arange(16), model.new_cache(16))
+        low = model.to(torch.bfloat16)
+        low.setup_rope()
+        got = low(tokens, torch.arange(16), low.new_cache(16))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, rtol=0.05, atol=0.05)
