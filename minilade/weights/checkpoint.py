@@ -1,0 +1,115 @@
+"""One checkpoint, whatever its format: a ModelConfig plus a stream of tensors under the canonical names.
+
+The canonical state dict is LlamaForCausalLM's: Hugging Face names, (out_features, in_features) orientation and
+the rotate-half rotary layout. `expected_tensor_shapes` is the contract between the loaders and the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping, Protocol
+
+import torch
+
+from minilade.config import ModelConfig
+from minilade.weights.errors import CheckpointError
+from minilade.weights.gguf import open_gguf
+from minilade.weights.hf import open_safetensors_folder
+from minilade.weights.resolve import resolve_checkpoint
+
+
+class TensorSource(Protocol):
+    """Where a format's tensors come from (see hf.SafetensorsTensors and gguf.GGUFTensors)."""
+
+    def shapes(self) -> Mapping[str, tuple[int, ...]]:
+        """Canonical name -> shape of every tensor the file holds, read from headers only."""
+
+    def stored_name(self, name: str) -> str:
+        """The name a canonical tensor has in the file, for error messages."""
+
+    def load(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield the named tensors one at a time, converted to the canonical layout."""
+
+
+def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical tensor name -> shape for a LLaMA model with this config (lm_head.weight absent when tied)."""
+    dim, inter = config.dim, config.intermediate_size
+    q_dim = config.n_heads * config.head_dim
+    kv_dim = config.n_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, dim)}
+    for i in range(config.n_layers):
+        layer = f"model.layers.{i}"
+        linears = {  # name -> (out_features, in_features)
+            "self_attn.q_proj": (q_dim, dim),
+            "self_attn.k_proj": (kv_dim, dim),
+            "self_attn.v_proj": (kv_dim, dim),
+            "self_attn.o_proj": (dim, q_dim),
+            "mlp.gate_proj": (inter, dim),
+            "mlp.up_proj": (inter, dim),
+            "mlp.down_proj": (dim, inter),
+        }
+        shapes[f"{layer}.input_layernorm.weight"] = (dim,)
+        shapes[f"{layer}.post_attention_layernorm.weight"] = (dim,)
+        for name, (out_features, in_features) in linears.items():
+            shapes[f"{layer}.{name}.weight"] = (out_features, in_features)
+            has_bias = config.attention_bias if name.startswith("self_attn") else config.mlp_bias
+            if has_bias:
+                shapes[f"{layer}.{name}.bias"] = (out_features,)
+    shapes["model.norm.weight"] = (dim,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, dim)
+    return shapes
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A resolved local checkpoint: its path, format ("safetensors" or "gguf"), config and tensors."""
+
+    path: Path  # a folder (config.json + safetensors + tokenizer files) or a .gguf file
+    format: str
+    config: ModelConfig
+    source: TensorSource = field(repr=False, compare=False)
+
+    def validate(self) -> None:
+        """Raise CheckpointError unless every expected tensor is present with its expected shape.
+        Reads headers only; tensors the model does not use (e.g. rotary inv_freq) are ignored."""
+        stored = self.source.shapes()
+        for name, want in expected_tensor_shapes(self.config).items():
+            label = self._label(name)
+            if name not in stored:
+                raise CheckpointError(f"{self.path}: missing tensor {label}")
+            if tuple(stored[name]) != want:
+                raise CheckpointError(
+                    f"{self.path}: tensor {label} has shape {tuple(stored[name])}, expected {want} from the config"
+                )
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Validate, then yield (canonical name, CPU tensor) one at a time, so that peak memory stays about one
+        copy of the model. safetensors: stored dtype, read from the memory map when yielded. GGUF: F32/F16/BF16
+        as stored, quantised types dequantised to float32, Q/K in HF rotary layout."""
+        self.validate()
+        return self.source.load(list(expected_tensor_shapes(self.config)))
+
+    def _label(self, name: str) -> str:
+        stored = self.source.stored_name(name)
+        return name if stored == name else f"{name} ({stored} in the file)"
+
+
+def open_checkpoint(ckpt: str | Path | None, *, weights_dir: Path | None = None, progress: bool = True) -> Checkpoint:
+    """Resolve `ckpt` (see resolve_checkpoint), read its config and tensor index, and validate the shapes.
+    Raises CheckpointError (a ValueError) with a one-line message."""
+    path = resolve_checkpoint(ckpt, weights_dir=weights_dir, progress=progress)
+    checkpoint = _open_gguf_file(path) if path.is_file() else _open_safetensors_folder(path)
+    checkpoint.validate()
+    return checkpoint
+
+
+def _open_gguf_file(path: Path) -> Checkpoint:
+    source = open_gguf(path)
+    return Checkpoint(path=path, format="gguf", config=source.config, source=source)
+
+
+def _open_safetensors_folder(path: Path) -> Checkpoint:
+    config, source = open_safetensors_folder(path)
+    return Checkpoint(path=path, format="safetensors", config=config, source=source)
