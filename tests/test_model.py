@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minilade.config import ModelConfig
 from minilade.model import build_model
+from minilade.weights import open_checkpoint
 
 from .helpers import tiny_model
 
@@ -36,10 +36,12 @@ def hf_tiny(variant: str, seed: int = 0) -> "transformers.LlamaForCausalLM":
 
 
 @pytest.mark.parametrize("variant", sorted(HF_VARIANTS))
-def test_logits_match_transformers(variant: str) -> None:
+def test_logits_match_transformers(variant: str, tmp_path) -> None:
+    """Through our own loader, from the files transformers wrote."""
     hf = hf_tiny(variant)
-    ours = build_model(ModelConfig.from_hf_config(hf.config.to_dict()), hf.state_dict().items(),
-                       dtype=torch.float64, device="cpu")
+    hf.save_pretrained(tmp_path)
+    checkpoint = open_checkpoint(tmp_path)
+    ours = build_model(checkpoint.config, checkpoint.tensors(), dtype=torch.float64, device="cpu")
     tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(tokens).logits
