@@ -1,0 +1,180 @@
+"""The library's front door: load a checkpoint once, then generate or stream text many times.
+
+    from minilade import LLM, Lookahead
+    llm = LLM.load()                                      # the demo model; or a .gguf, a folder, an HF repo id
+    out = llm.generate("Write a haiku about caches.", chat=True, max_new_tokens=64)
+    print(out.text)
+    print(out.stats.summary())
+    stream = llm.stream("def fib(n):", strategy=Lookahead(window=7, ngram=5, guesses=7))
+    for piece in stream:
+        print(piece, end="", flush=True)
+    print(stream.result.stats.compression)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence, Union
+
+import torch
+
+from .engine import GenerationStats, TokenRun, check_prompt, decode_tokens, default_device, resolve_dtype
+from .kv_cache import KVCache
+from .lookahead import Lookahead
+from .model import Transformer, build_model
+from .sampling import SamplingParams
+from .strategies import Autoregressive, Strategy
+from .tokenizer import StreamDecoder, Tokenizer
+from .weights import DEFAULT_CHECKPOINT, open_checkpoint
+
+Messages = list[dict[str, str]]
+Prompt = Union[str, Sequence[int], Messages]
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: list[int]  # the new tokens (an EOS token that ended the generation included)
+    prompt_ids: list[int]
+    finish_reason: str    # "eos", "stop", "length" or "context"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": len(self.prompt_ids),
+                "finish_reason": self.finish_reason, "stats": self.stats.as_dict()}
+
+
+class LLM:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, name: str = "") -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self._cache: KVCache | None = None  # reused across generations
+
+    @classmethod
+    def load(cls, ckpt: str | Path | None = None, *, dtype: str | torch.dtype | None = None,
+             device: str | torch.device | None = None, progress: bool = True) -> "LLM":
+        """ckpt: a .gguf file, a folder with config.json and safetensors, a Hugging Face repo id
+        (owner/name[@revision]), or None for the demo model (downloaded on first use).
+        dtype: float32, bfloat16, float16 (CUDA only) or None for the device's fast default."""
+        device = torch.device(device) if device is not None else default_device()
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for, but no CUDA device is available")
+        dtype = resolve_dtype(dtype, device)
+        if dtype == torch.float16 and device.type == "cpu":
+            raise ValueError("float16 is supported on CUDA only; use float32 or bfloat16 on the CPU")
+        checkpoint = open_checkpoint(ckpt if ckpt is not None else DEFAULT_CHECKPOINT, progress=progress)
+        metadata = checkpoint.source.metadata if checkpoint.format == "gguf" else None
+        tokenizer = Tokenizer.from_checkpoint(checkpoint.path, gguf_metadata=metadata)
+        model = build_model(checkpoint.config, checkpoint.tensors(), dtype=dtype, device=device)
+        return cls(model, tokenizer, str(checkpoint.path))
+
+    def encode(self, prompt: Prompt, *, chat: bool = False, system: str | None = None) -> list[int]:
+        """Token ids for a prompt: text (through the chat template when chat is set), chat messages, or ids."""
+        if isinstance(prompt, str):
+            if not chat:
+                return self.tokenizer.encode(prompt)
+            prompt = [{"role": "user", "content": prompt}]
+        if prompt and isinstance(prompt[0], dict):
+            messages = ([{"role": "system", "content": system}] if system else []) + list(prompt)
+            return self.tokenizer.encode_chat(messages)
+        return [int(t) for t in prompt]
+
+    def generate(self, prompt: Prompt, **options) -> Generation:
+        """Generate to the end; options as for stream()."""
+        stream = self.stream(prompt, **options)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, prompt: Prompt, *, chat: bool = False, system: str | None = None, max_new_tokens: int = 256,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+               stop: Sequence[str] = (), strategy: Strategy | str = "autoregressive") -> "TextStream":
+        """An iterator of text pieces; its .result holds the Generation once it is exhausted.
+        Settings are checked here, before anything runs."""
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if isinstance(strategy, str):
+            strategy = make_strategy(strategy)
+        if any(not s for s in stop):
+            raise ValueError("stop strings must not be empty")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompt_ids = self.encode(prompt, chat=chat, system=system)
+        return TextStream(self, prompt_ids, strategy=strategy, sampling=sampling, max_new_tokens=max_new_tokens,
+                          stop=tuple(stop))
+
+    def _cache_for(self, capacity: int) -> KVCache:
+        if self._cache is None or self._cache.capacity < capacity:
+            self._cache = self.model.new_cache(capacity)
+        return self._cache
+
+
+class TextStream:
+    """Streams the text of one generation: never a broken character, never a piece of a stop string."""
+
+    def __init__(self, llm: LLM, prompt_ids: list[int], *, strategy: Strategy, sampling: SamplingParams,
+                 max_new_tokens: int, stop: tuple[str, ...]) -> None:
+        self.llm, self.prompt_ids, self.stop = llm, prompt_ids, stop
+        self.strategy, self.sampling, self.max_new_tokens = strategy, sampling, max_new_tokens
+        self.result: Generation | None = None
+        check_prompt(prompt_ids, llm.model)  # fail now, not at the first piece of text
+        self._run = TokenRun(GenerationStats())
+        capacity = min(llm.model.config.max_seq_len, len(prompt_ids) + max_new_tokens)
+        self._tokens = decode_tokens(llm.model, prompt_ids, self._run, strategy=strategy, sampling=sampling,
+                                     max_new_tokens=max_new_tokens, eos_ids=llm.tokenizer.eos_ids,
+                                     cache=llm._cache_for(capacity + strategy.max_step_tokens()))
+
+    def __iter__(self) -> Iterator[str]:
+        detok = StreamDecoder(self.llm.tokenizer, skip_special=True)
+        eos = set(self.llm.tokenizer.eos_ids)
+        longest_stop = max((len(s) for s in self.stop), default=0)
+        ids: list[int] = []
+        text, shown = "", 0
+        for token in self._tokens:
+            ids.append(token)
+            if token in eos:
+                break
+            searched = max(0, len(text) - longest_stop + 1)
+            text += detok.push([token])
+            cut = find_stop(text, self.stop, searched)
+            if cut is not None:
+                text = text[:cut]
+                self._run.finish_reason = "stop"
+                break
+            safe = len(text) - held_back(text, self.stop)
+            if safe > shown:
+                yield text[shown:safe]
+                shown = safe
+        self._tokens.close()
+        if self._run.finish_reason != "stop":
+            text += detok.finish()
+        if len(text) > shown:
+            yield text[shown:]
+        self.result = Generation(text, ids, self.prompt_ids, self._run.finish_reason, self._run.stats)
+
+
+def make_strategy(name: str, **settings) -> Strategy:
+    """A strategy by name: "autoregressive" (or "ar"), "lookahead" (settings: window, ngram, guesses, ...)."""
+    if name in ("autoregressive", "ar"):
+        return Autoregressive()
+    if name == "lookahead":
+        return Lookahead(**settings)
+    raise ValueError(f"unknown strategy {name!r}; choose autoregressive, lookahead or auto")
+
+
+def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
+    """Index where the earliest stop string begins in text[start:] (as an index into text), or None."""
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of text that could still grow into a stop string."""
+    longest = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest
