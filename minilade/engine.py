@@ -116,13 +116,13 @@ def decode_tokens(model: Transformer, prompt: Sequence[int], run: TokenRun, *, s
         while True:
             for token in block:
                 stats.new_tokens += 1
-                yield token
                 if token in eos:
                     run.finish_reason = "eos"
                 elif stats.new_tokens >= max_new_tokens:
                     run.finish_reason = "length"
                 elif len(prompt) + stats.new_tokens >= limit:
                     run.finish_reason = "context"
+                yield token  # the reason is set first, so a consumer that stops at this token sees it
                 if run.finish_reason:
                     return
             start = time.perf_counter()

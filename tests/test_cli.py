@@ -1,0 +1,114 @@
+"""The command line: bad input is one line on stderr and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minilade.generate import main
+from minilade.tokenizer import Tokenizer
+
+from .helpers import tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+
+def tokenizer(folder: Path) -> Tokenizer:
+    return Tokenizer.from_checkpoint(folder)
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "minilade.generate", *args], input=stdin, capture_output=True,
+                          text=True, timeout=300)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, fact: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fact in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random LLaMA folder with a byte-level BPE tokenizer trained on a few words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder = tmp_path_factory.mktemp("tiny")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["a b c d hello world"] * 10, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, eos_token_id=2, bos_token_id=1)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_generates_json(tiny_checkpoint: Path) -> None:
+    result = run_cli("a b c d", "--ckpt", str(tiny_checkpoint), "--max-new-tokens", "5", "--json",
+                     "--strategy", "lookahead", "-W", "2", "-N", "3", "-G", "2")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert len(out["token_ids"]) <= 5 and out["prompt_tokens"] == len(tokenizer(tiny_checkpoint).encode("a b c d"))
+    assert out["stats"]["strategy"] == "lookahead" and out["finish_reason"] in ("length", "eos")
+
+
+def test_prompt_from_stdin_and_stats_on_stderr(tiny_checkpoint: Path) -> None:
+    result = run_cli("--ckpt", str(tiny_checkpoint), "--max-new-tokens", "4", stdin="a b c")
+    assert result.returncode == 0, result.stderr
+    n = len(tokenizer(tiny_checkpoint).encode("a b c"))
+    assert "tok/s" in result.stderr and f"[autoregressive] prompt {n} tok" in result.stderr
+
+
+@pytest.mark.parametrize("args,fact", [
+    (["--ckpt", "/nonexistent/model.gguf"], "checkpoint not found"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--top-k", "-3"], "top_k must be >= 0"),
+    (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
+    (["--strategy", "lookahead", "--ngram", "1"], "ngram size N must be >= 2"),
+    (["--strategy", "lookahead", "--window", "0"], "window W must be >= 1"),
+    (["--strategy", "lookahead", "--guesses", "-1"], "guesses G must be >= 0"),
+    (["--dtype", "float8"], "unknown dtype"),
+])
+def test_bad_settings_fail_in_one_line(tiny_checkpoint: Path, args: list[str], fact: str) -> None:
+    assert_one_line_error(run_cli("hello", *(["--ckpt", str(tiny_checkpoint)] + args)), fact)
+
+
+def test_prompt_longer_than_context(tiny_checkpoint: Path) -> None:
+    assert_one_line_error(run_cli(" ".join(["a"] * 80), "--ckpt", str(tiny_checkpoint)), "context is 64 tokens")
+
+
+def test_truncated_checkpoint(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / name).write_bytes((tiny_checkpoint / name).read_bytes())
+    data = (tiny_checkpoint / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:len(data) // 2])
+    assert_one_line_error(run_cli("a b", "--ckpt", str(tmp_path)), "model.safetensors")
+
+
+def test_wrong_architecture(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    for f in tiny_checkpoint.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert_one_line_error(run_cli("a b", "--ckpt", str(tmp_path)), "unsupported architecture 'gpt2'")
+
+
+def test_chat_without_template(tiny_checkpoint: Path) -> None:
+    assert_one_line_error(run_cli("a b", "--chat", "--ckpt", str(tiny_checkpoint)), "no chat template")
+
+
+def test_main_returns_exit_code(tiny_checkpoint: Path, capsys) -> None:
+    assert main(["a", "--ckpt", str(tiny_checkpoint), "--top-p", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: top_p")

@@ -1,0 +1,88 @@
+"""End-to-end checks on the real SmolLM2-135M-Instruct checkpoint (downloaded on first use)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minilade.lookahead import Lookahead
+from minilade.llm import LLM
+from minilade.strategies import Autoregressive
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = {
+    "code": ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
+    "prose": ("The three most important inventions of the twentieth century are", False),
+    "chat": ("Explain in two sentences why the sky is blue.", True),
+    "math": ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+             "How many clips did Natalia sell altogether in April and May?", True),
+}
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf) -> LLM:
+    return LLM.load(smollm2_gguf, dtype="float32", device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_gguf):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("name", sorted(PROMPTS))
+def test_greedy_equals_transformers(llm, hf_model, name: str) -> None:
+    text, chat = PROMPTS[name]
+    ids = llm.encode(text, chat=chat)
+    ours = llm.generate(ids, max_new_tokens=40)
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False,
+                                eos_token_id=list(llm.tokenizer.eos_ids), pad_token_id=llm.tokenizer.eos_ids[0])
+    theirs = out[0, len(ids):].tolist()
+    assert ours.token_ids == theirs
+
+
+@pytest.mark.parametrize("name", sorted(PROMPTS))
+def test_greedy_lookahead_equals_autoregressive(llm, name: str) -> None:
+    text, chat = PROMPTS[name]
+    reference = llm.generate(text, chat=chat, max_new_tokens=64)
+    for strategy in (Lookahead(window=5, ngram=4, guesses=5), Lookahead(window=3, ngram=2, guesses=3)):
+        got = llm.generate(text, chat=chat, max_new_tokens=64, strategy=strategy)
+        assert got.token_ids == reference.token_ids and got.text == reference.text
+        assert got.stats.forward_passes <= reference.stats.forward_passes
+
+
+def test_lookahead_saves_steps_on_code(llm) -> None:
+    text, _ = PROMPTS["code"]
+    got = llm.generate(text, max_new_tokens=64, strategy=Lookahead(window=5, ngram=4, guesses=5))
+    assert got.stats.compression > 1.2, got.stats.summary()
+
+
+def test_stream_pieces_concatenate_to_the_text(llm) -> None:
+    stream = llm.stream("Write a short poem about the sea.", chat=True, max_new_tokens=48,
+                        strategy=Lookahead(window=4, ngram=3, guesses=4))
+    pieces = list(stream)
+    assert "".join(pieces) == stream.result.text and len(pieces) > 5
+    assert "\ufffd" not in stream.result.text
+
+
+def test_stop_string_cuts_text_like_autoregressive(llm) -> None:
+    text, _ = PROMPTS["code"]
+    full = llm.generate(text, max_new_tokens=64)
+    stop = full.text[20:24]
+    for strategy in (Autoregressive(), Lookahead(window=5, ngram=4, guesses=5)):
+        cut = llm.generate(text, max_new_tokens=64, stop=[stop], strategy=strategy)
+        assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop)]
+
+
+def test_chat_ends_at_end_of_turn(llm) -> None:
+    out = llm.generate("Say hello.", chat=True, max_new_tokens=200)
+    assert out.finish_reason == "eos" and out.token_ids[-1] in llm.tokenizer.eos_ids
+    assert "<|im_end|>" not in out.text
+
+
+def test_prompt_longer_than_context_is_a_clear_error(llm) -> None:
+    with pytest.raises(ValueError, match="context is 8192 tokens"):
+        llm.generate([1] * 9000)
