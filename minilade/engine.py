@@ -33,6 +33,8 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     tokens_per_step: Counter = field(default_factory=Counter)  # tokens emitted by a step -> number of such steps
+    step_kinds: Counter = field(default_factory=Counter)  # the decoder's name for a kind of step -> count
+    tokens_fed: int = 0  # tokens put through the model by the decoding steps (prefill excluded)
 
     @property
     def forward_passes(self) -> int:
@@ -53,18 +55,24 @@ class GenerationStats:
     def step_ms(self) -> float:
         return 1e3 * self.decode_s / self.steps if self.steps else 0.0
 
+    @property
+    def tokens_fed_per_step(self) -> float:
+        return self.tokens_fed / self.steps if self.steps else 0.0
+
     def summary(self) -> str:
         hist = " ".join(f"{k}:{v}" for k, v in sorted(self.tokens_per_step.items()))
+        kinds = ", ".join(f"{k} x{v}" for k, v in self.step_kinds.most_common()) if len(self.step_kinds) > 1 else ""
         return (f"[{self.strategy}] prompt {self.prompt_tokens} tok, new {self.new_tokens} tok in "
                 f"{self.forward_passes} passes ({self.compression:.2f} tok/pass), prefill {self.prefill_s * 1e3:.0f} ms, "
                 f"decode {self.decode_s * 1e3:.0f} ms ({self.step_ms:.1f} ms/step), {self.tokens_per_s:.1f} tok/s"
-                + (f", tokens/step histogram {hist}" if hist else ""))
+                + (f", tokens/step histogram {hist}" if hist else "") + (f", steps: {kinds}" if kinds else ""))
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["tokens_per_step"] = {int(k): v for k, v in sorted(self.tokens_per_step.items())}
-        d.update(forward_passes=self.forward_passes, compression=self.compression,
-                 tokens_per_s=self.tokens_per_s, step_ms=self.step_ms)
+        d["step_kinds"] = dict(self.step_kinds.most_common())
+        d.update(forward_passes=self.forward_passes, compression=self.compression, tokens_per_s=self.tokens_per_s,
+                 step_ms=self.step_ms, tokens_fed_per_step=self.tokens_fed_per_step)
         return d
 
 
@@ -130,6 +138,8 @@ def decode_tokens(model: Transformer, prompt: Sequence[int], run: TokenRun, *, s
             stats.decode_s += time.perf_counter() - start
             stats.steps += 1
             stats.tokens_per_step[len(block)] += 1
+            stats.step_kinds[decoder.step_kind] += 1
+            stats.tokens_fed += decoder.step_tokens
 
 
 def default_device() -> torch.device:

@@ -15,7 +15,7 @@ from .config import UnsupportedModelError
 from .llm import LLM, Generation, make_strategy
 from .sampling import SamplingParams
 from .tokenizer import TokenizerError
-from .weights import DEFAULT_CHECKPOINT, CheckpointError
+from .weights import DEFAULT_CHECKPOINT, CheckpointError, default_weights_dir
 
 EXIT_USAGE = 2
 
@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--seed", type=int, default=None)
     s = p.add_argument_group("decoding strategy")
-    s.add_argument("--strategy", choices=["autoregressive", "lookahead"], default="autoregressive")
+    s.add_argument("--strategy", choices=["autoregressive", "lookahead", "auto"], default="autoregressive",
+                   help="auto: lookahead shaped step by step from the measured cost of a step on this machine "
+                        "(W, N, G then bound the largest step); plain decoding where lookahead does not pay")
     s.add_argument("--window", "-W", type=int, default=5, help="lookahead window W (columns)")
     s.add_argument("--ngram", "-N", type=int, default=4, help="lookahead n-gram size N")
     s.add_argument("--guesses", "-G", type=int, default=5, help="lookahead candidates verified per step G")
@@ -54,6 +56,9 @@ def strategy_from_args(args: argparse.Namespace):
     if args.strategy == "lookahead":
         return make_strategy("lookahead", window=args.window, ngram=args.ngram, guesses=args.guesses,
                              pool_from_prompt=not args.no_prompt_pool)
+    if args.strategy == "auto":  # step costs are measured once per machine and kept beside the weights
+        return make_strategy("auto", window=args.window, ngram=args.ngram, guesses=args.guesses,
+                             cost_file=str(default_weights_dir() / "step_costs.json"))
     return make_strategy(args.strategy)
 
 

@@ -19,6 +19,7 @@ from typing import Iterator, Sequence, Union
 
 import torch
 
+from .auto import Auto
 from .engine import GenerationStats, TokenRun, check_prompt, decode_tokens, default_device, resolve_dtype
 from .kv_cache import KVCache
 from .lookahead import Lookahead
@@ -155,11 +156,14 @@ class TextStream:
 
 
 def make_strategy(name: str, **settings) -> Strategy:
-    """A strategy by name: "autoregressive" (or "ar"), "lookahead" (settings: window, ngram, guesses, ...)."""
+    """A strategy by name: "autoregressive" (or "ar"), "lookahead" or "auto" (settings: window, ngram,
+    guesses, ...; for auto they bound the largest step)."""
     if name in ("autoregressive", "ar"):
         return Autoregressive()
     if name == "lookahead":
         return Lookahead(**settings)
+    if name == "auto":
+        return Auto(**settings)
     raise ValueError(f"unknown strategy {name!r}; choose autoregressive, lookahead or auto")
 
 

@@ -57,15 +57,45 @@ class StepOutcome:
     emitted: list[int]
     winner: int             # index of the accepted candidate (meaningful when n_accepted > 0)
     n_accepted: int         # candidate tokens accepted
-    new_level: list[int]    # the lookahead branch's new level (W,)
+    matches: list[int]      # per candidate: leading tokens equal to the model's argmax chain (for estimates)
+    new_level: list[int]    # the lookahead branch's new level (W,), empty for a step without the window
+
+
+class StepShape:
+    """One kind of step, ready on the device: the window (or only x) plus up to G candidates of cand_len tokens.
+
+    A step with g candidates runs the first n_base + g * cand_len rows; candidate j's token i is row
+    n_base + j * cand_len + i. `read` lists the rows besides the candidates whose logits are needed: x (unless
+    it is part of the newest level) and the newest level.
+    """
+
+    def __init__(self, layout: LookaheadLayout, with_window: bool, cand_len: int, device: torch.device) -> None:
+        rows = layout.step_rows(with_window, cand_len)
+        self.with_window, self.cand_len = with_window, cand_len
+        self.mask = layout.mask()[rows][:, rows].to(device)
+        self.offsets = layout.offsets()[rows].to(device)
+        self.n_base = layout.n_window_rows if with_window else 1
+        newest = layout.last_level_rows().tolist() if with_window else []
+        self.read = ([] if 0 in newest else [0]) + newest
+        # Rows to project to the vocabulary for g = 0..G candidates.
+        self.read_rows = [torch.tensor(self.read + list(range(self.n_base, self.n_rows(g)))).to(device)
+                          for g in range(layout.guesses + 1)]
+
+    def n_rows(self, n_candidates: int) -> int:
+        return self.n_base + n_candidates * self.cand_len
+
+    def kind(self, n_candidates: int) -> str:
+        return f"{'window+' if self.with_window else 'verify '}{n_candidates}x{self.cand_len}"
+
+    def candidate_row(self, candidate: int, token: int) -> int:
+        return self.n_base + candidate * self.cand_len + token
 
 
 class LookaheadDecoder(Decoder):
     def __init__(self, ctx: DecodeContext, settings: Lookahead) -> None:
         super().__init__(ctx)
         self.layout = layout = settings.layout
-        self.mask = layout.mask().to(ctx.device)
-        self.offsets = layout.offsets().to(ctx.device)
+        self.full_shape = StepShape(layout, True, layout.levels, ctx.device)
         self.pool = NGramPool(settings.ngram, settings.pool_capacity or max(settings.guesses, 1))
         prompt = ctx.tokens
         if settings.pool_from_prompt:
@@ -78,63 +108,80 @@ class LookaheadDecoder(Decoder):
         self.model_levels = 0  # how many of the window's levels the model has produced so far
 
     def step(self) -> list[int]:
-        ctx, layout = self.ctx, self.layout
-        if ctx.cache.length + layout.max_offset >= ctx.limit:
-            return self._single_step()  # too close to the end of the context for the window's positions
-        self.pool.add_ngrams(ctx.tokens, self.ngram_start)
-        self.ngram_start = max(0, len(ctx.tokens) - layout.ngram + 1)
-        x = ctx.tokens[-1]
-        candidates = torch.tensor(self.pool.candidates(x, layout.guesses), dtype=torch.long)
-        candidates = candidates.view(-1, layout.levels)  # (g, N-1)
-        outcome = self._forward_and_verify(x, candidates)
-        self._commit(outcome, candidates.shape[0])
-        self._advance_window(x, outcome.new_level)
+        if self.near_end_of_context():
+            return self._single_step()
+        return self.run_step(self.full_shape, self.candidates(self.layout.guesses))
+
+    def near_end_of_context(self) -> bool:
+        """Too close to the end of the context for the window's positions."""
+        return self.ctx.cache.length + self.layout.max_offset >= self.ctx.limit
+
+    def candidates(self, limit: int) -> list[tuple[int, ...]]:
+        """Up to `limit` continuations of the input token, after pooling the n-grams the text gained."""
+        self.pool.add_ngrams(self.ctx.tokens, self.ngram_start)
+        self.ngram_start = max(0, len(self.ctx.tokens) - self.layout.ngram + 1)
+        return self.pool.candidates(self.ctx.tokens[-1], limit)
+
+    def run_step(self, shape: StepShape, candidates: list[tuple[int, ...]]) -> list[int]:
+        """One forward pass of the given shape over the window (if included) and the candidates (truncated to
+        the shape's candidate length); commits, advances the window and emits."""
+        x = self.ctx.tokens[-1]
+        cands = torch.tensor([c[:shape.cand_len] for c in candidates], dtype=torch.long).view(-1, shape.cand_len)
+        self.step_kind = shape.kind(len(candidates))
+        self.step_tokens = shape.n_rows(len(candidates))
+        self.last_outcome = outcome = self._forward_and_verify(shape, x, cands)
+        self._commit(shape, outcome)
+        if shape.with_window:
+            self._advance_window(x, outcome.new_level)
         return self._emit(outcome.emitted)
 
-    def _forward_and_verify(self, x: int, candidates: torch.Tensor) -> StepOutcome:
+    def _forward_and_verify(self, shape: StepShape, x: int, candidates: torch.Tensor) -> StepOutcome:
         ctx, layout = self.ctx, self.layout
         g, device = candidates.shape[0], ctx.device
-        window = self.window.flatten()
-        window[0] = x
-        tokens = torch.cat([window, candidates.flatten()]).to(device)
-        T = tokens.numel()
-        # Rows read back: the input token (unless it already is in the newest level), newest level, candidates.
-        head = [] if layout.levels == 1 else [0]
-        rows = torch.cat([torch.tensor(head, dtype=torch.long), layout.last_level_rows(),
-                          layout.candidate_rows(g).flatten()]).to(device)
-        logits = ctx.model(tokens[None], ctx.cache.length + self.offsets[:T], ctx.cache,
-                           self.mask[:T, :T], logits_rows=rows)[0]  # (R, V)
-        n_head = len(head)
-        new_level = logits[n_head:n_head + layout.window].argmax(-1)  # the lookahead branch is always greedy
-        first_logits = logits[0]
-        cand_logits = logits[n_head + layout.window:].view(g, layout.levels, logits.shape[-1])
-        cand_dev = candidates.to(device)
-        sampler = ctx.sampler
-        if sampler.greedy:
-            first = first_logits.argmax(-1)
-            if g:
-                best, n_acc, emitted = greedy_verify(first, cand_dev, cand_logits.argmax(-1))
-            else:
-                best, n_acc, emitted = first.new_zeros(()), first.new_zeros(()), first.view(1)
+        if shape.with_window:
+            base = self.window.flatten()
+            base[0] = x
         else:
-            probs0 = sampler.probs(first_logits)
-            if g:
-                best, n_acc, emitted = sample_verify(probs0, cand_dev, cand_logits, sampler)
-            else:
-                best, n_acc, emitted = new_level.new_zeros(()), new_level.new_zeros(()), sampler.draw(probs0).view(1)
-        readback = torch.cat([best.view(1), n_acc.view(1), emitted, new_level]).tolist()  # the one host sync
+            base = torch.tensor([x])
+        tokens = torch.cat([base, candidates.flatten()]).to(device)
+        T = tokens.numel()
+        logits = ctx.model(tokens[None], ctx.cache.length + shape.offsets[:T], ctx.cache, shape.mask[:T, :T],
+                           logits_rows=shape.read_rows[g])[0]  # (R, V)
+        n_read = len(shape.read)
+        first_logits = logits[0]
+        new_level = logits[n_read - layout.window:n_read].argmax(-1) if shape.with_window else first_logits.new_zeros(
+            0, dtype=torch.long)
+        cand_logits = logits[n_read:].view(g, shape.cand_len, logits.shape[-1])
+        cand_dev = candidates.to(device)
+        first_choice = first_logits.argmax(-1)
+        best, n_acc, matches, emitted = self._verify(first_choice, first_logits, cand_dev, cand_logits)
+        # The one host sync of the step.
+        readback = torch.cat([best.view(1), n_acc.view(1), matches, emitted, new_level]).tolist()
         best, n_acc = readback[0], readback[1]
-        emitted = readback[2:2 + emitted.numel()][:n_acc + 1]
-        return StepOutcome(emitted, best, n_acc, readback[-layout.window:])
+        matches, rest = readback[2:2 + g], readback[2 + g:]
+        return StepOutcome(rest[:n_acc + 1], best, n_acc, matches, rest[emitted.numel():])
 
-    def _commit(self, outcome: StepOutcome, n_candidates: int) -> None:
+    def _verify(self, first_choice: torch.Tensor, first_logits: torch.Tensor, candidates: torch.Tensor,
+                cand_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(winner, accepted count, per-candidate argmax matches, emitted chain) on the device."""
+        sampler = self.ctx.sampler
+        if candidates.shape[0] == 0:
+            zero = first_choice.new_zeros(())
+            token = first_choice if sampler.greedy else sampler.draw(sampler.probs(first_logits))
+            return zero, zero, first_choice.new_zeros(0), token.view(1)
+        best, n_acc, chain, matches = greedy_verify(first_choice, candidates, cand_logits.argmax(-1))
+        if not sampler.greedy:
+            best, n_acc, chain = sample_verify(sampler.probs(first_logits), candidates, cand_logits, sampler)
+        return best, n_acc, matches, chain
+
+    def _commit(self, shape: StepShape, outcome: StepOutcome) -> None:
         """Keep the K/V of the input token and of the accepted candidate tokens; drop the rest of the step."""
         cache = self.ctx.cache
         if outcome.n_accepted == 0:
             cache.commit(1)
             return
-        rows = self.layout.candidate_rows(n_candidates)[outcome.winner, :outcome.n_accepted]
-        cache.compact(torch.cat([torch.zeros(1, dtype=torch.long), rows]).to(self.ctx.device))
+        rows = [0] + [shape.candidate_row(outcome.winner, i) for i in range(outcome.n_accepted)]
+        cache.compact(torch.tensor(rows, device=self.ctx.device))
 
     def _advance_window(self, x: int, new_level: list[int]) -> None:
         """Pool the n-grams the window's columns spell, then shift the levels down and append the new one."""
@@ -142,6 +189,6 @@ class LookaheadDecoder(Decoder):
         self.window[0, 0] = x
         if self.model_levels >= self.layout.levels - 1:  # levels 1..N-2 are the model's own: real n-grams
             for column in torch.cat([self.window, new]).T.tolist():
-                self.pool.add(column[0], tuple(column[1:]))
+                self.pool.add(column[0], tuple(column[1:]), from_window=True)
         self.window = torch.cat([self.window[1:], new])
         self.model_levels += 1

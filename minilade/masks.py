@@ -73,6 +73,14 @@ class LookaheadLayout:
         """(g, N-1) row of each candidate token."""
         return torch.arange(n_candidates * self.levels).view(n_candidates, self.levels) + self.n_window_rows
 
+    def step_rows(self, with_window: bool = True, cand_len: int | None = None) -> torch.Tensor:
+        """Template rows one kind of step runs, in order: the window (or only x, for a step that just verifies),
+        then the first cand_len tokens of each of the G candidates, candidate by candidate. A step with
+        g < G candidates runs a prefix of these rows; its mask and positions are the template's, selected."""
+        k = self.levels if cand_len is None else cand_len
+        base = torch.arange(self.n_window_rows) if with_window else torch.zeros(1, dtype=torch.long)
+        return torch.cat([base, self.candidate_rows(self.guesses)[:, :k].flatten()])
+
     def offsets(self) -> torch.Tensor:
         """(max_rows,) rotary position of each row, relative to the input token."""
         level = torch.arange(self.levels).repeat_interleave(self.window)

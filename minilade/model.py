@@ -43,18 +43,18 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def rope_tables(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: (max_seq_len, head_dim), the rotate-half layout (each frequency used for both halves)."""
+    """cos, sin: (max_seq_len, head_dim) in the rotate-half layout (each frequency serves both halves).
+    sin is stored with its first half negated, so that rotate_half(x) * sin == roll(x, D/2) * sin_signed."""
     positions = torch.arange(config.max_seq_len, dtype=torch.float32)
     freqs = torch.outer(positions, rope_inv_freq(config))  # (S, D/2)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
+    cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)
+    sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
+    return cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, H, D); cos, sin: (B or 1, T, 1, D)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, H, D); cos, sin_signed: (B or 1, T, 1, D). Equals x * cos + rotate_half(x) * sin bit for bit."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class Attention(nn.Module):
@@ -103,9 +103,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 and scale in the model dtype, as the reference models do.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype) * self.weight
 
 
 class Block(nn.Module):

@@ -10,7 +10,8 @@ class NGramPool:
 
     Each key keeps at most `capacity` distinct continuations; adding one that is already there makes it the
     most recent, and adding to a full key evicts the least recently seen. The per-key dict doubles as an
-    ordered set, so a continuation is stored (and later verified) once.
+    ordered set, so a continuation is stored (and later verified) once. Each entry remembers whether only the
+    lookahead window has produced it so far (as opposed to the text itself), so the window's worth can be told.
     """
 
     def __init__(self, ngram: int, capacity: int) -> None:
@@ -20,19 +21,23 @@ class NGramPool:
             raise ValueError(f"pool capacity must be >= 1, got {capacity}")
         self.ngram = ngram
         self.capacity = capacity
-        self._pool: dict[int, dict[tuple[int, ...], None]] = {}
+        self._pool: dict[int, dict[tuple[int, ...], bool]] = {}  # key -> continuation -> made by the window only
 
     def __len__(self) -> int:
         return sum(len(conts) for conts in self._pool.values())
 
-    def add(self, key: int, continuation: tuple[int, ...]) -> None:
+    def add(self, key: int, continuation: tuple[int, ...], from_window: bool = False) -> None:
         if len(continuation) != self.ngram - 1:
             raise ValueError(f"continuation {continuation} should have {self.ngram - 1} tokens")
         conts = self._pool.setdefault(key, {})
-        conts.pop(continuation, None)
-        conts[continuation] = None
+        window_only = conts.pop(continuation, True) and from_window
+        conts[continuation] = window_only
         if len(conts) > self.capacity:
             del conts[next(iter(conts))]
+
+    def from_window(self, key: int, continuation: tuple[int, ...]) -> bool:
+        """Whether the lookahead window, and never the text, produced this continuation."""
+        return self._pool.get(key, {}).get(continuation, False)
 
     def add_ngrams(self, tokens: Sequence[int], start: int = 0) -> None:
         """Add every n-gram of `tokens` that ends at index >= start + N - 1 (that is, begins at >= start)."""

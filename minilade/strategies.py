@@ -40,6 +40,8 @@ class DecodeContext:
 class Decoder(ABC):
     def __init__(self, ctx: DecodeContext) -> None:
         self.ctx = ctx
+        self.step_kind = "single"  # what the last step was, in a word (counted in the statistics)
+        self.step_tokens = 1       # tokens the last step fed to the model
 
     def prefill(self) -> list[int]:
         """Run the prompt through the model and emit the first token."""
@@ -62,6 +64,7 @@ class Decoder(ABC):
     def _single_step(self) -> list[int]:
         """Plain autoregressive step: feed the last token, emit the next one."""
         ctx = self.ctx
+        self.step_kind, self.step_tokens = "single", 1
         pos = ctx.cache.length
         tokens = torch.tensor([ctx.tokens[-1:]], device=ctx.device)
         logits = ctx.model(tokens, torch.tensor([pos], device=ctx.device), ctx.cache)

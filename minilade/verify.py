@@ -12,19 +12,19 @@ from .sampling import Sampler
 
 
 def greedy_verify(first: torch.Tensor, candidates: torch.Tensor, choices: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy verification: the longest candidate prefix that matches the model's own argmax chain.
 
     first: () the argmax after x. choices: (g, K) the argmax after each candidate token (given the candidate's
     earlier tokens). Returns (best, n_accepted, emitted): the winning candidate, how many of its tokens are
     accepted (0..K), and the model's chain (K + 1,) along it, whose first n_accepted + 1 tokens are emitted:
     the accepted tokens, then the model's next token (the bonus token when the whole candidate matched).
-    Ties go to the earlier candidate.
+    Ties go to the earlier candidate. Also returns n_match (g,): each candidate's count of leading matches.
     """
     chain = torch.cat([first.expand(candidates.shape[0], 1), choices], dim=1)  # (g, K + 1)
     n_match = (candidates == chain[:, :-1]).int().cumprod(dim=1).sum(dim=1)  # leading matches, (g,)
     best = n_match.argmax()
-    return best, n_match[best], chain[best]
+    return best, n_match[best], chain[best], n_match
 
 
 def sample_verify(probs0: torch.Tensor, candidates: torch.Tensor, cand_logits: torch.Tensor, sampler: Sampler

@@ -89,7 +89,7 @@ def test_pool_add_ngrams_from_a_start_index() -> None:
 
 
 def greedy(first: int, candidates: list[list[int]], choices: list[list[int]]) -> tuple[int, int, list[int]]:
-    best, n, chain = greedy_verify(torch.tensor(first), torch.tensor(candidates), torch.tensor(choices))
+    best, n, chain, _ = greedy_verify(torch.tensor(first), torch.tensor(candidates), torch.tensor(choices))
     return int(best), int(n), chain[:int(n) + 1].tolist()
 
 

@@ -1,0 +1,285 @@
+"""Automatic lookahead: pick the shape of every step to maximise expected tokens per second.
+
+Lookahead trades compute per step for fewer steps, which pays only where a step of many tokens costs little
+more than a step of one. So the strategy measures that cost on the loaded model (`measure_step_costs`, a few
+forward passes, memoised per model and optionally kept in a file) and, step by step, chooses among:
+- a plain autoregressive step (1 token in, 1 out);
+- a verification step: the input token and g candidates of k tokens from the n-gram pool (1 + g*k tokens in);
+- a full lookahead step: the W x (N-1) window plus g candidates, which also feeds the pool from the window.
+Expected tokens per step come from running statistics: every verification step reveals, for each candidate, how
+many of its tokens matched the model, so one step of g candidates of length k also tells what any g' <= g
+candidates of length k' <= k would have accepted. The prompt seeds these statistics (how well its own n-grams
+predict it), so the first steps are not blind. When nothing beats one token per cost of one token, the
+strategy decodes plainly, so switching it on is safe.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from .lookahead import Lookahead, LookaheadDecoder, StepShape
+from .masks import LookaheadLayout
+from .model import Transformer
+from .ngram_pool import NGramPool
+from .strategies import DecodeContext, Decoder, Strategy
+
+# ---- the device's cost of a step ---------------------------------------------------------------------------------
+
+
+def measure_step_costs(model: Transformer, sizes: Iterable[int], *, context: int = 256, repeats: int = 3
+                       ) -> dict[int, float]:
+    """Median seconds of one forward pass of T tokens (all rows projected to the vocabulary) after `context`
+    committed tokens, for each T in sizes. Sizes are measured round-robin, after one warm-up pass each."""
+    sizes = sorted(set(sizes))
+    context = min(context, model.config.max_seq_len - max(sizes) - 1)
+    gen = torch.Generator().manual_seed(0)
+    cache = model.new_cache(context + max(sizes))
+    device = model.device
+    samples: dict[int, list[float]] = {T: [] for T in sizes}
+    with torch.inference_mode():
+        if context > 0:
+            model(torch.randint(model.config.vocab_size, (1, context), generator=gen).to(device),
+                  torch.arange(context, device=device), cache, logits_rows=torch.zeros(1, dtype=torch.long,
+                                                                                        device=device))
+            cache.commit(context)
+        for rep in range(repeats + 1):
+            for T in sizes:
+                tokens = torch.randint(model.config.vocab_size, (1, T), generator=gen).to(device)
+                mask = torch.ones(T, T, dtype=torch.bool, device=device).tril_()
+                start = time.perf_counter()
+                model(tokens, torch.arange(context, context + T, device=device), cache, mask)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if rep:  # the first round is warm-up
+                    samples[T].append(time.perf_counter() - start)
+    return {T: sorted(s)[len(s) // 2] for T, s in samples.items()}
+
+
+class StepCosts:
+    """Seconds per forward pass as a function of the tokens it feeds, interpolated between measured sizes."""
+
+    def __init__(self, seconds: dict[int, float]) -> None:
+        self.sizes = sorted(seconds)
+        self.seconds = [seconds[T] for T in self.sizes]
+        self._memo: dict[int, float] = {}
+
+    def __call__(self, tokens: int) -> float:
+        if tokens not in self._memo:
+            self._memo[tokens] = self._interpolate(tokens)
+        return self._memo[tokens]
+
+    def _interpolate(self, tokens: int) -> float:
+        sizes, secs = self.sizes, self.seconds
+        if tokens <= sizes[0]:
+            return secs[0]
+        for (t0, s0), (t1, s1) in zip(zip(sizes, secs), zip(sizes[1:], secs[1:])):
+            if tokens <= t1:
+                return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
+        return secs[-1] * tokens / sizes[-1]  # beyond the largest size: proportional
+
+    def relative(self, tokens: int) -> float:
+        return self(tokens) / self(1)
+
+
+_MEASURED: "weakref.WeakKeyDictionary[Transformer, dict[int, float]]" = weakref.WeakKeyDictionary()
+
+
+def step_costs_for(model: Transformer, sizes: Sequence[int], cost_file: str | Path | None = None) -> StepCosts:
+    """Step costs for this model, measured once per process (and per file, when one is given)."""
+    known = _MEASURED.setdefault(model, {})
+    key = cost_key(model)
+    if cost_file is not None and not set(sizes) <= set(known):
+        known.update(_read_costs(Path(cost_file)).get(key, {}))
+    missing = [T for T in sizes if T not in known]
+    if missing:
+        known.update(measure_step_costs(model, sorted(set(missing) | {1})))
+        if cost_file is not None:
+            _write_costs(Path(cost_file), key, known)
+    return StepCosts({T: known[T] for T in set(sizes) | {1}})
+
+
+def cost_key(model: Transformer) -> str:
+    """What the cost of a step depends on: the model's shape, dtype, device and the torch build."""
+    c = model.config
+    device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
+    return (f"L{c.n_layers}-d{c.dim}-h{c.n_heads}/{c.n_kv_heads}-ff{c.intermediate_size}-v{c.vocab_size}|"
+            f"{model.dtype}|{device}|threads {torch.get_num_threads()}|torch {torch.__version__}")
+
+
+def _read_costs(path: Path) -> dict[str, dict[int, float]]:
+    try:
+        raw = json.loads(path.read_text())
+        return {k: {int(t): float(s) for t, s in v.items()} for k, v in raw.items()}
+    except (OSError, ValueError, AttributeError):
+        return {}  # no file yet, or an unreadable one: measure again
+
+
+def _write_costs(path: Path, key: str, seconds: dict[int, float]) -> None:
+    table = _read_costs(path)
+    table[key] = seconds
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        pass  # a cache that cannot be written only costs a new measurement next time
+
+
+# ---- how many tokens a step will accept ----------------------------------------------------------------------------
+
+
+class AcceptanceStats:
+    """Running mean of candidate tokens accepted per step, for every (g candidates, k tokens each).
+
+    One observation is the list of per-candidate match lengths of a verification step; from it the accepted
+    count of any g' <= g, k' <= k follows (the best of the first g' candidates, capped at k'). Older
+    observations fade (weight `decay` per step) so the estimate follows the text.
+    """
+
+    def __init__(self, guesses: int, cand_len: int, prior: float = 0.3, prior_weight: float = 1.0,
+                 decay: float = 0.97) -> None:
+        self.G, self.K, self.decay = guesses, cand_len, decay
+        self.total = [[prior * prior_weight * min(k, 1) for k in range(cand_len + 1)] for _ in range(guesses + 1)]
+        self.weight = [[prior_weight] * (cand_len + 1) for _ in range(guesses + 1)]
+
+    def observe(self, matches: Sequence[int], cand_len: int, weight: float = 1.0) -> None:
+        best = 0
+        for g, m in enumerate(matches[:self.G], start=1):
+            best = max(best, m)
+            for k in range(1, cand_len + 1):
+                self.total[g][k] = self.decay * self.total[g][k] + weight * min(best, k)
+                self.weight[g][k] = self.decay * self.weight[g][k] + weight
+
+    def expected(self, g: int, k: int) -> float:
+        return self.total[g][k] / self.weight[g][k] if g and k else 0.0
+
+
+def prompt_self_prediction(prompt: Sequence[int], ngram: int, guesses: int, last: int = 512) -> list[list[int]]:
+    """Per position of the prompt (its last `last` tokens), how many tokens each pool candidate built from the
+    text before it would have matched the text that follows: a model-free prior on how repetitive it is."""
+    pool = NGramPool(ngram, max(guesses, 1))
+    K = ngram - 1
+    start = max(0, len(prompt) - last)
+    pool.add_ngrams(prompt[:start + 1])
+    out = []
+    for j in range(start, len(prompt) - 1):
+        truth = prompt[j + 1:j + 1 + K]
+        matches = []
+        for cand in pool.candidates(prompt[j], guesses):
+            m = 0
+            while m < len(truth) and cand[m] == truth[m]:
+                m += 1
+            matches.append(m)
+        if matches:
+            out.append(matches)
+        if j + 1 >= ngram - 1:
+            pool.add_ngrams(prompt[:j + 2], j + 2 - ngram)
+    return out
+
+
+# ---- the strategy ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Auto(Strategy):
+    """Lookahead with the shape of each step chosen from measured step costs and running acceptance estimates.
+    window, ngram, guesses: the largest step it may take. cost_file: where measured step costs are kept
+    between runs (None: measured once per process)."""
+
+    window: int = 5
+    ngram: int = 4
+    guesses: int = 5
+    cost_file: str | None = None
+    seed: int = 0
+    name = "auto"
+
+    def __post_init__(self) -> None:
+        LookaheadLayout(self.window, self.ngram, self.guesses)  # validates W, N, G
+
+    def max_step_tokens(self) -> int:
+        return LookaheadLayout(self.window, self.ngram, self.guesses).max_rows
+
+    def make_decoder(self, ctx: DecodeContext) -> Decoder:
+        return AutoDecoder(ctx, self)
+
+    def __str__(self) -> str:
+        return f"auto(W<={self.window}, N<={self.ngram}, G<={self.guesses})"
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: StepShape | None  # None: a plain autoregressive step
+    n_candidates: int
+    tokens: int              # fed to the model
+    expected: float          # tokens the step is expected to emit
+
+
+class AutoDecoder(LookaheadDecoder):
+    EXPLORE_EVERY = 32  # steps without a verification before a cheap probe (one short candidate)
+    DECAY = 0.97  # per step, for the window's running credit
+
+    def __init__(self, ctx: DecodeContext, settings: Auto) -> None:
+        super().__init__(ctx, Lookahead(settings.window, settings.ngram, settings.guesses, seed=settings.seed))
+        layout, K = self.layout, self.layout.levels
+        self.verify_shapes = [StepShape(layout, False, k, ctx.device) for k in range(1, K + 1)]
+        sizes = {1 + g * k for g in range(1, layout.guesses + 1) for k in range(1, K + 1)}
+        sizes |= {self.full_shape.n_rows(g) for g in range(layout.guesses + 1)}
+        self.costs = step_costs_for(ctx.model, sorted(sizes), settings.cost_file)
+        self.acceptance = AcceptanceStats(layout.guesses, K)
+        for matches in prompt_self_prediction(ctx.tokens, layout.ngram, layout.guesses):
+            self.acceptance.observe(matches, K, weight=0.25)
+        # The window's worth: tokens accepted from candidates only the window made, per step that ran it.
+        self.window_credit, self.window_steps = 0.5, 1.0  # a prior of half a token per window step
+        self.since_verify = 0
+        self.plans: list[Plan] = []  # what was chosen, step by step (for statistics and tests)
+
+    def step(self) -> list[int]:
+        if self.near_end_of_context():
+            return self._single_step()
+        candidates = self.candidates(self.layout.guesses)
+        plan = self.choose(len(candidates))
+        self.plans.append(plan)
+        self.window_credit *= self.DECAY
+        self.window_steps *= self.DECAY
+        if plan.shape is None:
+            self.since_verify += 1
+            return self._single_step()
+        self.since_verify = 0
+        x = self.ctx.tokens[-1]
+        emitted = self.run_step(plan.shape, candidates[:plan.n_candidates])
+        self._learn(plan, x, candidates)
+        return emitted
+
+    @property
+    def window_gain(self) -> float:
+        return self.window_credit / self.window_steps
+
+    def options(self, available: int) -> Iterable[Plan]:
+        yield Plan(None, 0, 1, 1.0)
+        est = self.acceptance.expected
+        for g in range(1, available + 1):
+            for shape in self.verify_shapes:
+                yield Plan(shape, g, shape.n_rows(g), 1.0 + est(g, shape.cand_len))
+        full, K = self.full_shape, self.layout.levels
+        for g in range(available + 1):
+            yield Plan(full, g, full.n_rows(g), 1.0 + est(g, K) + self.window_gain)
+
+    def choose(self, available: int) -> Plan:
+        best = max(self.options(available), key=lambda p: p.expected / self.costs(p.tokens))
+        if best.shape is None and available and self.since_verify >= self.EXPLORE_EVERY:
+            return Plan(self.verify_shapes[0], 1, 2, 1.0 + self.acceptance.expected(1, 1))  # cheap probe
+        return best
+
+    def _learn(self, plan: Plan, x: int, candidates: list[tuple[int, ...]]) -> None:
+        outcome = self.last_outcome
+        self.acceptance.observe(outcome.matches, plan.shape.cand_len)
+        self.window_steps += plan.shape.with_window
+        if outcome.n_accepted and self.pool.from_window(x, candidates[outcome.winner]):
+            self.window_credit += outcome.n_accepted

@@ -1,0 +1,113 @@
+"""The automatic strategy: exact output whatever it chooses, and choices that follow costs and acceptance."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import minilade.auto as auto
+from minilade.auto import AcceptanceStats, Auto, StepCosts, prompt_self_prediction, step_costs_for
+from minilade.sampling import SamplingParams
+from minilade.strategies import Autoregressive
+
+from .helpers import run_tokens, tiny_model
+from .test_sampling import PROMPT, chi_square_p_value, exact_distribution, sample_counts
+
+
+def test_step_costs_interpolate_between_measured_sizes() -> None:
+    costs = StepCosts({1: 1.0, 4: 2.5, 8: 3.0})
+    assert costs(1) == 1.0 and costs(2) == 1.5 and costs(6) == 2.75 and costs(16) == 6.0
+    assert costs.relative(4) == 2.5
+
+
+def test_acceptance_counterfactuals_from_one_step() -> None:
+    stats = AcceptanceStats(guesses=3, cand_len=4, prior_weight=1e-9, decay=1.0)
+    stats.observe([1, 3, 0], cand_len=4)  # candidate 1 matched 3 tokens
+    assert stats.expected(1, 4) == pytest.approx(1)  # only the first candidate
+    assert stats.expected(2, 4) == pytest.approx(3) and stats.expected(3, 4) == pytest.approx(3)
+    assert stats.expected(2, 2) == pytest.approx(2)  # candidates cut to 2 tokens
+    stats.observe([0], cand_len=4)
+    assert stats.expected(1, 4) == pytest.approx(0.5) and stats.expected(2, 4) == pytest.approx(3)
+
+
+def test_prompt_self_prediction_tells_repetitive_from_random_text() -> None:
+    repetitive = [1, 2, 3, 4, 5] * 20
+    rng = torch.Generator().manual_seed(0)
+    random = torch.randint(0, 1000, (100,), generator=rng).tolist()
+    hits = prompt_self_prediction(repetitive, ngram=4, guesses=2)
+    assert len(hits) > 80 and all(m == [3] for m in hits[-50:-3])  # the last ones have less text to match
+    assert all(m == [0] for m in prompt_self_prediction(random, ngram=4, guesses=2))  # a few repeated tokens
+
+
+def fake_costs(monkeypatch, seconds) -> None:
+    monkeypatch.setattr(auto, "measure_step_costs", lambda model, sizes, **kw: {T: seconds(T) for T in sizes})
+    auto._MEASURED.clear()
+
+
+def test_expensive_steps_mean_plain_decoding(monkeypatch) -> None:
+    fake_costs(monkeypatch, lambda T: float(T))  # a step of T tokens costs T: lookahead can never pay
+    model = tiny_model(vocab=12, seed=1)
+    prompt = [1, 2, 3, 4] * 6
+    expected, _ = run_tokens(model, prompt, Autoregressive())
+    got, run = run_tokens(model, prompt, Auto(4, 4, 4))
+    assert got == expected
+    assert set(run.stats.step_kinds) <= {"single", "verify 1x1"}  # plain steps, and at most a rare cheap probe
+    assert run.stats.step_kinds["single"] > 30
+
+
+def test_free_steps_mean_the_largest_useful_step(monkeypatch) -> None:
+    fake_costs(monkeypatch, lambda T: 1.0)  # every step costs the same: take the window and all candidates
+    model = tiny_model(vocab=12, seed=1)
+    prompt = [1, 2, 3, 4] * 6
+    expected, _ = run_tokens(model, prompt, Autoregressive())
+    got, run = run_tokens(model, prompt, Auto(4, 4, 4))
+    assert got == expected
+    assert sum(v for k, v in run.stats.step_kinds.items() if k.startswith("window+")) > run.stats.steps // 2
+    assert run.stats.compression > 1.5
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_auto_greedy_equals_autoregressive_whatever_it_chooses(monkeypatch, seed: int) -> None:
+    """Costs with a random slope, so every kind of step gets chosen somewhere."""
+    slope = [0.02, 0.1, 0.5][seed]
+    fake_costs(monkeypatch, lambda T: 1.0 + slope * T)
+    model = tiny_model(vocab=12 + 4 * seed, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    kinds = set()
+    for _ in range(4):
+        prompt = torch.randint(0, model.config.vocab_size, (int(torch.randint(2, 20, (1,), generator=gen)),),
+                               generator=gen).tolist()
+        expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=48)
+        for settings in [(3, 4, 3), (1, 2, 2), (2, 5, 4)]:
+            got, run = run_tokens(model, prompt, Auto(*settings), max_new_tokens=48)
+            assert got == expected, (prompt, settings)
+            kinds |= {k.split()[0].rstrip("+0123456789") for k in run.stats.step_kinds}
+    assert {"single", "verify"} <= kinds
+
+
+def test_auto_sampling_keeps_the_distribution(monkeypatch) -> None:
+    fake_costs(monkeypatch, lambda T: 1.0 + 0.05 * T)
+    model = tiny_model(vocab=6, seed=11, std=0.35)
+    params, n = SamplingParams(temperature=1.0), 2000
+    counts, accepted_steps = sample_counts(model, Auto(3, 3, 4), params, n)
+    assert accepted_steps > n // 4
+    assert chi_square_p_value(counts, exact_distribution(model, params), n) > 1e-3
+
+
+def test_measured_costs_are_kept_in_the_cost_file(monkeypatch, tmp_path) -> None:
+    model = tiny_model(vocab=12, seed=1)
+    cost_file = tmp_path / "costs.json"
+    auto._MEASURED.clear()
+    costs = step_costs_for(model, [1, 4, 9], cost_file)
+    assert costs(4) > 0 and set(next(iter(json.loads(cost_file.read_text()).values()))) == {"1", "4", "9"}
+    auto._MEASURED.clear()
+    monkeypatch.setattr(auto, "measure_step_costs", lambda *a, **k: pytest.fail("measured again"))
+    assert step_costs_for(model, [1, 4, 9], cost_file).seconds == costs.seconds
+
+
+def test_measure_step_costs_returns_every_size() -> None:
+    model = tiny_model(vocab=12, seed=1)
+    seconds = auto.measure_step_costs(model, [1, 3, 8], context=16, repeats=2)
+    assert sorted(seconds) == [1, 3, 8] and all(s > 0 for s in seconds.values())
