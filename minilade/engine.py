@@ -1,10 +1,7 @@
-"""The generation loop, written once for every strategy, and the library's front door, `LLM`.
+"""The generation loop, written once for every strategy: prefill, steps, budget, EOS, statistics.
 
-    llm = LLM.load("smollm2-135m-instruct")            # or a .gguf file, a folder, a Hugging Face repo id
-    out = llm.generate("Write a haiku about caches.", chat=True, max_new_tokens=64)
-    print(out.text, out.stats.summary())
-    for piece in llm.stream("def fib(n):", strategy=Lookahead(window=7, ngram=5, guesses=7)):
-        print(piece, end="", flush=True)
+decode_tokens() runs any Strategy on token ids and yields the new tokens one at a time; the text layer
+(llm.py) adds tokenization, streaming and stop strings on top.
 """
 
 from __future__ import annotations
@@ -17,9 +14,9 @@ from typing import Iterator, Sequence
 import torch
 
 from .kv_cache import KVCache
-from .model import Transformer, build_model
+from .model import Transformer
 from .sampling import Sampler, SamplingParams
-from .strategies import Autoregressive, DecodeContext, Strategy
+from .strategies import DecodeContext, Strategy
 
 
 @dataclass

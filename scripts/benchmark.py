@@ -48,7 +48,8 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm import tqdm
 
-from minilade import LLM, Autoregressive, Lookahead
+from minilade import LLM, Auto, Autoregressive, Lookahead
+from minilade.auto import measure_step_costs
 from minilade.config import ModelConfig, UnsupportedModelError
 from minilade.tokenizer import TokenizerError
 from minilade.weights import DEFAULT_CHECKPOINT, CheckpointError, resolve_checkpoint
@@ -107,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", nargs="+", choices=CPU_DTYPES, default=list(CPU_DTYPES), help="ar mode: dtypes")
     p.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS, metavar="W,N,G",
                    help=f"lookahead settings (default: {' '.join(DEFAULT_SETTINGS)})")
+    p.add_argument("--auto", default="5,4,5", metavar="W,N,G",
+                   help="the auto strategy's largest step; 'none' leaves the auto row out")
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0],
                    help="0 = greedy (all rows); T > 0 runs the minilade rows sampled, seeded per prompt")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each (prompt, configuration); median kept")
@@ -133,6 +136,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.set_defaults(**QUICK_DEFAULTS)
     args = parser.parse_args(argv)
     args.settings = [parse_setting(s) for s in args.settings]
+    args.auto = None if args.auto == "none" else parse_setting(args.auto)
     for name in ("n_prompts", "max_new_tokens", "repeats", "step_reps", "bandwidth_mib", "threads"):
         if name == "threads" and args.threads is None:
             continue
@@ -196,23 +200,13 @@ def lookahead_label(setting: tuple[int, int, int]) -> str:
     return "lookahead ({},{},{})".format(*setting)
 
 
-def try_import_auto() -> Any:
-    """minilade.auto, or None while the lead is still writing it."""
-    try:
-        import minilade.auto as auto
-    except ModuleNotFoundError as e:
-        if e.name != "minilade.auto":
-            raise
-        return None
-    return auto
-
-
-def decode_configs(args: argparse.Namespace, auto_strategy: Any, temperature: float) -> list[Config]:
+def decode_configs(args: argparse.Namespace, temperature: float) -> list[Config]:
     configs = [Config(AR, "minilade", Autoregressive())]
     configs += [Config(lookahead_label(s), "minilade", Lookahead(window=s[0], ngram=s[1], guesses=s[2]), setting=s)
                 for s in args.settings]
-    if auto_strategy is not None:
-        configs.append(Config(AUTO, "minilade", auto_strategy))
+    if args.auto:
+        W, N, G = args.auto
+        configs.append(Config(AUTO, "minilade", Auto(window=W, ngram=N, guesses=G)))
     if temperature == 0 and not args.no_transformers:
         configs += [Config(HF_GENERATE, "transformers"),
                     Config(HF_PROMPT_LOOKUP, "transformers", prompt_lookup=args.prompt_lookup_tokens)]
@@ -488,41 +482,12 @@ def default_step_sizes(settings: Sequence[tuple[int, int, int]]) -> list[int]:
     return sorted({1, 2, 4, 8, 16, 32, 64, 128} | {step_shape(s)[0] for s in settings})
 
 
-def step_costs(model: Any, sizes: list[int], reps: int, auto: Any) -> tuple[dict[int, float], str]:
-    """Seconds per forward pass of T tokens: the lead's minilade.auto.measure_step_costs when it exists, else
-    timed here. Returns the costs and where they came from."""
-    measure_fn = getattr(auto, "measure_step_costs", None)
-    if measure_fn is not None:
-        return {int(t): float(s) for t, s in measure_fn(model, sizes).items()}, "minilade.auto.measure_step_costs"
-    return time_step_costs(model, sizes, reps), "timed by scripts/benchmark.py"
-
-
-def time_step_costs(model: Any, sizes: list[int], reps: int) -> dict[int, float]:
-    """Median time of model(tokens, positions, cache) for T random tokens after a committed context of up to 128
-    tokens, every row projected to the vocabulary (an upper bound for lookahead, which projects fewer). Sizes that
-    do not fit the context are skipped."""
-    config = model.config
-    fits = [t for t in sizes if t < config.max_seq_len]
-    if not fits:
-        return {}
-    context = max(0, min(128, config.max_seq_len - max(fits) - 1))
-    cache = model.new_cache(context + max(fits))
-    gen = torch.Generator().manual_seed(0)
-    costs = {}
-    with torch.inference_mode():
-        if context:
-            model(torch.randint(config.vocab_size, (1, context), generator=gen), torch.arange(context), cache)
-            cache.commit(context)
-        for t in fits:
-            tokens = torch.randint(config.vocab_size, (1, t), generator=gen)
-            positions = torch.arange(context, context + t)
-            times = []
-            for _ in range(reps + 1):  # the first is a warm-up
-                start = time.perf_counter()
-                model(tokens, positions, cache)
-                times.append(time.perf_counter() - start)
-            costs[t] = statistics.median(times[1:])
-    return costs
+def step_costs(model: Any, sizes: list[int], reps: int) -> dict[int, float]:
+    """Seconds per forward pass of T tokens (every row projected: an upper bound for lookahead, which projects
+    fewer), measured by minilade.auto.measure_step_costs, the function the auto strategy itself relies on.
+    Sizes that do not fit the model's context are skipped."""
+    fits = [t for t in sizes if t < model.config.max_seq_len // 2]
+    return {int(t): float(s) for t, s in measure_step_costs(model, fits, repeats=reps).items()} if fits else {}
 
 
 # ---- ar mode: throughput against memory bandwidth --------------------------------------------------------------
@@ -753,7 +718,6 @@ def settings_dict(args: argparse.Namespace) -> dict:
 
 def run_decode(args: argparse.Namespace, command: str) -> dict:
     env = environment()
-    auto = try_import_auto()
     Figure = None if args.no_plots else import_figure()  # missing dependencies fail before anything slow
     if not args.no_transformers:
         import_transformers()
@@ -763,18 +727,17 @@ def run_decode(args: argparse.Namespace, command: str) -> dict:
     prompts = encode_prompts(llm, texts)
     hf_model = None if args.no_transformers else load_hf_model(ckpt_path, args.dtype)
     runner = Runner(llm, hf_model)
-    auto_strategy = auto.Auto() if auto is not None else None
-    configs_by_temp = {t: decode_configs(args, auto_strategy, t) for t in dict.fromkeys(args.temperatures)}
+    configs_by_temp = {t: decode_configs(args, t) for t in dict.fromkeys(args.temperatures)}
     warm_up(runner, configs_by_temp, prompts, args.max_new_tokens)
     records = measure(runner, prompts, configs_by_temp, args, desc="decode")
     with_reference = ckpt_path.name == REFERENCE_MODEL_FILE and args.dtype == "float32"
     summary = summarize_decode(records, configs_by_temp, llm.model.config, with_reference)
     sizes = args.step_sizes or default_step_sizes(args.settings)
-    costs, source = step_costs(llm.model, sizes, args.step_reps, auto)
+    costs, source = step_costs(llm.model, sizes, args.step_reps), "minilade.auto.measure_step_costs"
     print(decode_tables(summary))
     if costs:
         print(step_cost_table(costs, source))
-    document = dict(command=command, mode="decode", checkpoint=str(ckpt_path), auto_available=auto is not None,
+    document = dict(command=command, mode="decode", checkpoint=str(ckpt_path), 
                     environment=dict(env, load_average_1m_end=load_average()), settings=settings_dict(args),
                     reference_figures=reference_document(), summary=summary,
                     step_costs={"source": source, "seconds": costs}, records=records)

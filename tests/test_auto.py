@@ -13,7 +13,7 @@ from minilade.sampling import SamplingParams
 from minilade.strategies import Autoregressive
 
 from .helpers import run_tokens, tiny_model
-from .test_sampling import PROMPT, chi_square_p_value, exact_distribution, sample_counts
+from .test_sampling import chi_square_p_value, exact_distribution, sample_counts
 
 
 def test_step_costs_interpolate_between_measured_sizes() -> None:

@@ -8,13 +8,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
 
-from minilade import Lookahead
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,13 +41,18 @@ def restore_threads():
 
 
 @pytest.fixture
-def fake_auto(monkeypatch):
-    """Stands in for minilade.auto (an Auto strategy and a measured step-cost curve), present or not."""
-    module = types.ModuleType("minilade.auto")
-    module.Auto = lambda: Lookahead(window=2, ngram=3, guesses=1)
-    module.measure_step_costs = lambda model, sizes: {t: 1e-3 * (1 + t / 8) for t in sizes}
-    monkeypatch.setitem(sys.modules, "minilade.auto", module)
-    return module
+def fake_auto(bench, monkeypatch):
+    """A made-up step-cost curve, for the auto strategy and the step-cost table alike."""
+    import minilade.auto
+
+    def fake(model, sizes, **kw):
+        return {t: 1e-3 * (1 + t / 8) for t in sizes}
+
+    monkeypatch.setattr(minilade.auto, "measure_step_costs", fake)
+    monkeypatch.setattr(bench, "measure_step_costs", fake)
+    minilade.auto._MEASURED.clear()
+    yield
+    minilade.auto._MEASURED.clear()
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +96,7 @@ def test_decode_mode_writes_tables_json_and_plots(bench, fake_auto, tiny_checkpo
                                                   tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
     argv = ["--ckpt", str(tiny_checkpoint), "--data-dir", str(data_dir), "--out-dir", str(out), "--quick",
-            "--n-prompts", "2", "--max-new-tokens", "6", "--repeats", "2", "--settings", "2,3,2", "3,4,3",
+            "--n-prompts", "2", "--max-new-tokens", "6", "--repeats", "2", "--settings", "2,3,2", "3,4,3", "--auto", "2,3,1",
             "--temperatures", "0", "0.8", "--step-sizes", "1", "4", "12", "--no-progress", "--threads", "1"]
     assert bench.main(argv + ([] if HAVE_MATPLOTLIB else ["--no-plots"])) == 0
     stdout = capsys.readouterr().out
@@ -124,20 +127,6 @@ def test_decode_mode_writes_tables_json_and_plots(bench, fake_auto, tiny_checkpo
     for plot in ("speedup.png", "compression_vs_flops.png", "step_cost.png"):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
-
-
-def test_without_auto_the_step_costs_are_timed_here(bench, tiny_checkpoint: Path, data_dir: Path,
-                                                     tmp_path: Path, monkeypatch, capsys) -> None:
-    monkeypatch.setitem(sys.modules, "minilade.auto", None)  # what `import minilade.auto` meets while it is absent
-    assert bench.try_import_auto() is None
-    argv = ["--ckpt", str(tiny_checkpoint), "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--quick",
-            "--datasets", "gsm8k", "--no-transformers", "--no-plots", "--step-sizes", "1", "8", "--no-progress", "--threads", "1"]
-    assert bench.main(argv) == 0
-    assert "| auto |" not in capsys.readouterr().out
-    doc = json.loads((tmp_path / "results.json").read_text())
-    assert [s["config"] for s in doc["summary"]] == ["minilade AR", "lookahead (3,3,3)"]
-    assert doc["step_costs"]["source"] == "timed by scripts/benchmark.py"
-    assert set(doc["step_costs"]["seconds"]) == {"1", "8"} and not list(tmp_path.glob("*.png"))
 
 
 def test_ar_mode(bench, tiny_checkpoint: Path, data_dir: Path, tmp_path: Path, capsys) -> None:

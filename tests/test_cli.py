@@ -12,7 +12,6 @@ import pytest
 from minilade.generate import main
 from minilade.tokenizer import Tokenizer
 
-from .helpers import tiny_model
 
 transformers = pytest.importorskip("transformers")
 
