@@ -24,6 +24,7 @@ from .engine import GenerationStats, TokenRun, check_prompt, decode_tokens, defa
 from .kv_cache import KVCache
 from .lookahead import Lookahead
 from .model import Transformer, build_model
+from .packing import pack_linears, packing_available
 from .sampling import SamplingParams
 from .strategies import Autoregressive, Strategy
 from .tokenizer import StreamDecoder, Tokenizer
@@ -55,10 +56,12 @@ class LLM:
 
     @classmethod
     def load(cls, ckpt: str | Path | None = None, *, dtype: str | torch.dtype | None = None,
-             device: str | torch.device | None = None, progress: bool = True) -> "LLM":
+             device: str | torch.device | None = None, progress: bool = True, pack: bool | None = None) -> "LLM":
         """ckpt: a .gguf file, a folder with config.json and safetensors, a Hugging Face repo id
         (owner/name[@revision]), or None for the demo model (downloaded on first use).
-        dtype: float32, bfloat16, float16 (CUDA only) or None for the device's fast default."""
+        dtype: float32, bfloat16, float16 (CUDA only) or None for the device's fast default.
+        pack: keep a prepacked copy of the weights for multi-token steps (see packing.py); None: where it pays
+        (float32 on a CPU with oneDNN), at the cost of a second copy of the weights in memory."""
         device = torch.device(device) if device is not None else default_device()
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for, but no CUDA device is available")
@@ -69,6 +72,8 @@ class LLM:
         metadata = checkpoint.source.metadata if checkpoint.format == "gguf" else None
         tokenizer = Tokenizer.from_checkpoint(checkpoint.path, gguf_metadata=metadata)
         model = build_model(checkpoint.config, checkpoint.tensors(), dtype=dtype, device=device)
+        if pack if pack is not None else packing_available(dtype, device):
+            pack_linears(model)
         return cls(model, tokenizer, str(checkpoint.path))
 
     def encode(self, prompt: Prompt, *, chat: bool = False, system: str | None = None) -> list[int]:

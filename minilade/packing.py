@@ -1,0 +1,49 @@
+"""Prepacked weights for multi-token steps on the CPU.
+
+A CPU matrix multiply of a few rows by a large weight spends much of its time re-laying out ("packing") the weight
+on every call; for one row (a plain decoding step) the library uses a matrix-vector product that needs no packing.
+Lookahead steps feed 4 to 60 rows, where that packing is pure overhead. Keeping a copy of each weight prepacked by
+oneDNN makes such steps 15-25% cheaper on a 2-core x86 CPU (measured on SmolLM2-135M, float32), at the price of a
+second copy of the weights in memory. One- and two-row inputs keep using the plain weight, which is faster there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model import Transformer
+
+
+def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
+    """Prepacking pays for float32 on CPUs with oneDNN (for bfloat16 without native support it does not)."""
+    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class PackedLinear(nn.Module):
+    """A linear layer with its weight also kept in oneDNN's prepacked layout, used from `min_rows` input rows on."""
+
+    def __init__(self, linear: nn.Linear, min_rows: int = 3, rows_hint: int = 16) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.min_rows = min_rows
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows_hint)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows < self.min_rows:
+            return F.linear(x, self.weight, self.bias)
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def pack_linears(model: Transformer, min_rows: int = 3) -> Transformer:
+    """Give every linear layer of the model (attention, MLP, output head) a prepacked copy of its weight."""
+    for layer in model.layers:
+        for module, name in [(layer.attention, "wqkv"), (layer.attention, "wo"),
+                             (layer.feed_forward, "w_gate_up"), (layer.feed_forward, "w_down")]:
+            setattr(module, name, PackedLinear(getattr(module, name), min_rows))
+    model.output = PackedLinear(model.output, min_rows)
+    return model
