@@ -217,7 +217,8 @@ class Auto(Strategy):
 class Plan:
     shape: StepShape | None  # None: a plain autoregressive step
     n_candidates: int
-    tokens: int              # fed to the model
+    cand_len: int
+    tokens: int              # fed to the model (at most: candidates sharing a prefix share rows)
     expected: float          # tokens the step is expected to emit
 
 
@@ -228,9 +229,9 @@ class AutoDecoder(LookaheadDecoder):
     def __init__(self, ctx: DecodeContext, settings: Auto) -> None:
         super().__init__(ctx, Lookahead(settings.window, settings.ngram, settings.guesses, seed=settings.seed))
         layout, K = self.layout, self.layout.levels
-        self.verify_shapes = [StepShape(layout, False, k, ctx.device) for k in range(1, K + 1)]
-        sizes = {1 + g * k for g in range(1, layout.guesses + 1) for k in range(1, K + 1)}
-        sizes |= {self.full_shape.n_rows(g) for g in range(layout.guesses + 1)}
+        self.verify_shape = StepShape(layout, False, ctx.device)
+        sizes = {self.verify_shape.n_rows(g, k) for g in range(1, layout.guesses + 1) for k in range(1, K + 1)}
+        sizes |= {self.full_shape.n_rows(g, K) for g in range(layout.guesses + 1)}
         self.costs = step_costs_for(ctx.model, sorted(sizes), settings.cost_file)
         self.acceptance = AcceptanceStats(layout.guesses, K)
         for matches in prompt_self_prediction(ctx.tokens, layout.ngram, layout.guesses):
@@ -253,7 +254,7 @@ class AutoDecoder(LookaheadDecoder):
             return self._single_step()
         self.since_verify = 0
         x = self.ctx.tokens[-1]
-        emitted = self.run_step(plan.shape, candidates[:plan.n_candidates])
+        emitted = self.run_step(plan.shape, candidates[:plan.n_candidates], plan.cand_len)
         self._learn(plan, x, candidates)
         return emitted
 
@@ -262,24 +263,24 @@ class AutoDecoder(LookaheadDecoder):
         return self.window_credit / self.window_steps
 
     def options(self, available: int) -> Iterable[Plan]:
-        yield Plan(None, 0, 1, 1.0)
-        est = self.acceptance.expected
+        yield Plan(None, 0, 0, 1, 1.0)
+        est, verify = self.acceptance.expected, self.verify_shape
         for g in range(1, available + 1):
-            for shape in self.verify_shapes:
-                yield Plan(shape, g, shape.n_rows(g), 1.0 + est(g, shape.cand_len))
+            for k in range(1, self.layout.levels + 1):
+                yield Plan(verify, g, k, verify.n_rows(g, k), 1.0 + est(g, k))
         full, K = self.full_shape, self.layout.levels
         for g in range(available + 1):
-            yield Plan(full, g, full.n_rows(g), 1.0 + est(g, K) + self.window_gain)
+            yield Plan(full, g, K, full.n_rows(g, K), 1.0 + est(g, K) + self.window_gain)
 
     def choose(self, available: int) -> Plan:
         best = max(self.options(available), key=lambda p: p.expected / self.costs(p.tokens))
         if best.shape is None and available and self.since_verify >= self.EXPLORE_EVERY:
-            return Plan(self.verify_shapes[0], 1, 2, 1.0 + self.acceptance.expected(1, 1))  # cheap probe
+            return Plan(self.verify_shape, 1, 1, 2, 1.0 + self.acceptance.expected(1, 1))  # a cheap probe
         return best
 
     def _learn(self, plan: Plan, x: int, candidates: list[tuple[int, ...]]) -> None:
         outcome = self.last_outcome
-        self.acceptance.observe(outcome.matches, plan.shape.cand_len)
+        self.acceptance.observe(outcome.matches, plan.cand_len)
         self.window_steps += plan.shape.with_window
         if outcome.n_accepted and self.pool.from_window(x, candidates[outcome.winner]):
             self.window_credit += outcome.n_accepted

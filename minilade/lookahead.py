@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .masks import LookaheadLayout
+from .masks import CandidateTree, LookaheadLayout
 from .ngram_pool import NGramPool
 from .strategies import DecodeContext, Decoder, Strategy
 from .verify import greedy_verify, sample_verify
@@ -62,40 +62,46 @@ class StepOutcome:
 
 
 class StepShape:
-    """One kind of step, ready on the device: the window (or only x) plus up to G candidates of cand_len tokens.
+    """The fixed part of one kind of step, on the device: the whole window, or only x (a verification step).
 
-    A step with g candidates runs the first n_base + g * cand_len rows; candidate j's token i is row
-    n_base + j * cand_len + i. `read` lists the rows besides the candidates whose logits are needed: x (unless
-    it is part of the newest level) and the newest level.
+    A step feeds these n_base rows, then its candidates as a trie (masks.CandidateTree) of cand_len-token
+    prefixes. `read` lists the base rows whose logits are needed: x (unless it is part of the newest level) and
+    the newest level.
     """
 
-    def __init__(self, layout: LookaheadLayout, with_window: bool, cand_len: int, device: torch.device) -> None:
-        rows = layout.step_rows(with_window, cand_len)
-        self.with_window, self.cand_len = with_window, cand_len
+    def __init__(self, layout: LookaheadLayout, with_window: bool, device: torch.device) -> None:
+        rows = layout.base_rows(with_window)
+        self.with_window, self.device = with_window, device
         self.mask = layout.mask()[rows][:, rows].to(device)
         self.offsets = layout.offsets()[rows].to(device)
-        self.n_base = layout.n_window_rows if with_window else 1
+        self.n_base = rows.numel()
         newest = layout.last_level_rows().tolist() if with_window else []
         self.read = ([] if 0 in newest else [0]) + newest
-        # Rows to project to the vocabulary for g = 0..G candidates.
-        self.read_rows = [torch.tensor(self.read + list(range(self.n_base, self.n_rows(g)))).to(device)
-                          for g in range(layout.guesses + 1)]
 
-    def n_rows(self, n_candidates: int) -> int:
-        return self.n_base + n_candidates * self.cand_len
+    def n_rows(self, n_candidates: int, cand_len: int) -> int:
+        """Rows fed with this many candidates when they share no prefix (an upper bound)."""
+        return self.n_base + n_candidates * cand_len
 
-    def kind(self, n_candidates: int) -> str:
-        return f"{'window+' if self.with_window else 'verify '}{n_candidates}x{self.cand_len}"
+    def kind(self, n_candidates: int, cand_len: int) -> str:
+        return f"{'window+' if self.with_window else 'verify '}{n_candidates}x{cand_len}"
 
-    def candidate_row(self, candidate: int, token: int) -> int:
-        return self.n_base + candidate * self.cand_len + token
+    def assemble(self, tree: CandidateTree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Mask (T, T), position offsets (T,) and rows to read, for this base followed by the trie's nodes."""
+        n, T = self.n_base, self.n_base + tree.size
+        mask = torch.zeros(T, T, dtype=torch.bool, device=self.device)
+        mask[:n, :n] = self.mask
+        mask[n:, 0] = True  # every candidate token sees x
+        mask[n:, n:] = tree.mask.to(self.device)
+        offsets = torch.cat([self.offsets, (tree.depth + 1).to(self.device)])
+        read = torch.cat([torch.tensor(self.read), torch.arange(n, T)]).to(self.device)
+        return mask, offsets, read
 
 
 class LookaheadDecoder(Decoder):
     def __init__(self, ctx: DecodeContext, settings: Lookahead) -> None:
         super().__init__(ctx)
         self.layout = layout = settings.layout
-        self.full_shape = StepShape(layout, True, layout.levels, ctx.device)
+        self.full_shape = StepShape(layout, True, ctx.device)
         self.pool = NGramPool(settings.ngram, settings.pool_capacity or max(settings.guesses, 1))
         prompt = ctx.tokens
         if settings.pool_from_prompt:
@@ -110,7 +116,7 @@ class LookaheadDecoder(Decoder):
     def step(self) -> list[int]:
         if self.near_end_of_context():
             return self._single_step()
-        return self.run_step(self.full_shape, self.candidates(self.layout.guesses))
+        return self.run_step(self.full_shape, self.candidates(self.layout.guesses), self.layout.levels)
 
     def near_end_of_context(self) -> bool:
         """Too close to the end of the context for the window's positions."""
@@ -122,20 +128,22 @@ class LookaheadDecoder(Decoder):
         self.ngram_start = max(0, len(self.ctx.tokens) - self.layout.ngram + 1)
         return self.pool.candidates(self.ctx.tokens[-1], limit)
 
-    def run_step(self, shape: StepShape, candidates: list[tuple[int, ...]]) -> list[int]:
-        """One forward pass of the given shape over the window (if included) and the candidates (truncated to
-        the shape's candidate length); commits, advances the window and emits."""
+    def run_step(self, shape: StepShape, candidates: list[tuple[int, ...]], cand_len: int) -> list[int]:
+        """One forward pass over the shape's base rows and the candidates cut to cand_len tokens; commits the
+        accepted tokens' K/V, advances the window (if it ran) and emits."""
         x = self.ctx.tokens[-1]
-        cands = torch.tensor([c[:shape.cand_len] for c in candidates], dtype=torch.long).view(-1, shape.cand_len)
-        self.step_kind = shape.kind(len(candidates))
-        self.step_tokens = shape.n_rows(len(candidates))
-        self.last_outcome = outcome = self._forward_and_verify(shape, x, cands)
-        self._commit(shape, outcome)
+        cands = torch.tensor([c[:cand_len] for c in candidates], dtype=torch.long).view(-1, cand_len)
+        tree = CandidateTree.build(cands)
+        self.step_kind = shape.kind(len(candidates), cand_len)
+        self.step_tokens = shape.n_base + tree.size
+        self.last_outcome = outcome = self._forward_and_verify(shape, x, cands, tree)
+        self._commit(shape, tree, outcome)
         if shape.with_window:
             self._advance_window(x, outcome.new_level)
         return self._emit(outcome.emitted)
 
-    def _forward_and_verify(self, shape: StepShape, x: int, candidates: torch.Tensor) -> StepOutcome:
+    def _forward_and_verify(self, shape: StepShape, x: int, candidates: torch.Tensor,
+                            tree: CandidateTree) -> StepOutcome:
         ctx, layout = self.ctx, self.layout
         g, device = candidates.shape[0], ctx.device
         if shape.with_window:
@@ -143,15 +151,14 @@ class LookaheadDecoder(Decoder):
             base[0] = x
         else:
             base = torch.tensor([x])
-        tokens = torch.cat([base, candidates.flatten()]).to(device)
-        T = tokens.numel()
-        logits = ctx.model(tokens[None], ctx.cache.length + shape.offsets[:T], ctx.cache, shape.mask[:T, :T],
-                           logits_rows=shape.read_rows[g])[0]  # (R, V)
+        tokens = torch.cat([base, tree.tokens]).to(device)
+        mask, offsets, read = shape.assemble(tree)
+        logits = ctx.model(tokens[None], ctx.cache.length + offsets, ctx.cache, mask, logits_rows=read)[0]  # (R, V)
         n_read = len(shape.read)
         first_logits = logits[0]
         new_level = logits[n_read - layout.window:n_read].argmax(-1) if shape.with_window else first_logits.new_zeros(
             0, dtype=torch.long)
-        cand_logits = logits[n_read:].view(g, shape.cand_len, logits.shape[-1])
+        cand_logits = logits[n_read:][tree.node_of.to(device)]  # (g, k, V): each candidate token's node
         cand_dev = candidates.to(device)
         first_choice = first_logits.argmax(-1)
         best, n_acc, matches, emitted = self._verify(first_choice, first_logits, cand_dev, cand_logits)
@@ -174,14 +181,14 @@ class LookaheadDecoder(Decoder):
             best, n_acc, chain = sample_verify(sampler.probs(first_logits), candidates, cand_logits, sampler)
         return best, n_acc, matches, chain
 
-    def _commit(self, shape: StepShape, outcome: StepOutcome) -> None:
+    def _commit(self, shape: StepShape, tree: CandidateTree, outcome: StepOutcome) -> None:
         """Keep the K/V of the input token and of the accepted candidate tokens; drop the rest of the step."""
         cache = self.ctx.cache
         if outcome.n_accepted == 0:
             cache.commit(1)
             return
-        rows = [0] + [shape.candidate_row(outcome.winner, i) for i in range(outcome.n_accepted)]
-        cache.compact(torch.tensor(rows, device=self.ctx.device))
+        nodes = tree.node_of[outcome.winner, :outcome.n_accepted] + shape.n_base
+        cache.compact(torch.cat([torch.zeros(1, dtype=torch.long), nodes]).to(self.ctx.device))
 
     def _advance_window(self, x: int, new_level: list[int]) -> None:
         """Pool the n-grams the window's columns spell, then shift the levels down and append the new one."""

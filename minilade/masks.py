@@ -21,6 +21,11 @@ whole committed cache):
 Each window row therefore sees a chain of consecutive positions p, ..., p + l + c, as in a real sequence.
 The two branches never see each other. Candidates are last, so a step with g < G candidates uses the
 leading (W + g)(N - 1) rows and columns of the same template.
+
+Candidates that share a prefix need not be computed twice: a step lays them out as a trie (CandidateTree),
+one row per distinct prefix, each row seeing x and its own ancestors. With no shared prefix the trie block is
+exactly the candidate block above. The window part is fixed per (W, N, G) and built once; the trie block depends
+on the step's candidates and is built for each step, by a few tensor operations.
 """
 
 from __future__ import annotations
@@ -73,13 +78,10 @@ class LookaheadLayout:
         """(g, N-1) row of each candidate token."""
         return torch.arange(n_candidates * self.levels).view(n_candidates, self.levels) + self.n_window_rows
 
-    def step_rows(self, with_window: bool = True, cand_len: int | None = None) -> torch.Tensor:
-        """Template rows one kind of step runs, in order: the window (or only x, for a step that just verifies),
-        then the first cand_len tokens of each of the G candidates, candidate by candidate. A step with
-        g < G candidates runs a prefix of these rows; its mask and positions are the template's, selected."""
-        k = self.levels if cand_len is None else cand_len
-        base = torch.arange(self.n_window_rows) if with_window else torch.zeros(1, dtype=torch.long)
-        return torch.cat([base, self.candidate_rows(self.guesses)[:, :k].flatten()])
+    def base_rows(self, with_window: bool = True) -> torch.Tensor:
+        """Template rows of a step before its candidates: the whole window, or only x (a step that just
+        verifies candidates)."""
+        return torch.arange(self.n_window_rows) if with_window else torch.zeros(1, dtype=torch.long)
 
     def offsets(self) -> torch.Tensor:
         """(max_rows,) rotary position of each row, relative to the input token."""
@@ -107,3 +109,41 @@ class LookaheadLayout:
         mask[n:, n:] = guesses
         mask[n:, 0] = True  # candidates see the input token
         return mask
+
+
+@dataclass(frozen=True)
+class CandidateTree:
+    """g candidates of k tokens laid out as a trie: one node (row) per distinct prefix.
+
+    Nodes are numbered candidate by candidate, token by token, skipping prefixes an earlier candidate already has.
+    tokens, depth: (n,) each node's token and its depth (its position is x's + 1 + depth).
+    mask: (n, n) bool, a node sees its ancestors and itself. node_of: (g, k) the node of candidate j's token i.
+    """
+
+    tokens: torch.Tensor
+    depth: torch.Tensor
+    mask: torch.Tensor
+    node_of: torch.Tensor
+
+    @classmethod
+    def build(cls, candidates: torch.Tensor) -> "CandidateTree":
+        g, k = candidates.shape
+        if g == 0:
+            empty = torch.zeros(0, dtype=torch.long)
+            return cls(empty, empty, torch.zeros(0, 0, dtype=torch.bool), torch.zeros(0, k, dtype=torch.long))
+        same_prefix = (candidates[:, None, :] == candidates[None, :, :]).int().cumprod(dim=2)  # (g, g, k)
+        owner = same_prefix.argmax(dim=1)  # (g, k): the first candidate with the same prefix up to token i
+        is_node = owner == torch.arange(g)[:, None]
+        flat_nodes = is_node.flatten().nonzero().squeeze(1)  # owner * k + i, in node order
+        number = torch.full((g * k,), -1, dtype=torch.long)
+        number[flat_nodes] = torch.arange(flat_nodes.numel())
+        node_of = number[owner * k + torch.arange(k)]  # (g, k)
+        depth = flat_nodes % k
+        ancestors = node_of[flat_nodes // k]  # (n, k): each node's ancestor at every depth (its own candidate's)
+        n = flat_nodes.numel()
+        mask = (depth[None, :] <= depth[:, None]) & (ancestors.gather(1, depth.expand(n, n)) == torch.arange(n))
+        return cls(candidates.flatten()[flat_nodes], depth, mask, node_of)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.numel()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minilade.lookahead import Lookahead
-from minilade.masks import LookaheadLayout
+from minilade.masks import CandidateTree, LookaheadLayout
 from minilade.ngram_pool import NGramPool
 from minilade.strategies import Autoregressive
 from minilade.verify import greedy_verify
@@ -56,6 +56,44 @@ def test_window_rows_see_a_chain_of_consecutive_positions() -> None:
         for row in range(layout.max_rows):
             seen = sorted(pos[mask[row]].tolist())
             assert seen == list(range(int(pos[row]) + 1)), (W, N, G, row)
+
+
+def test_candidates_sharing_a_prefix_share_rows() -> None:
+    tree = CandidateTree.build(torch.tensor([[5, 6, 7], [5, 6, 8], [5, 9, 1], [2, 3, 4]]))
+    assert tree.tokens.tolist() == [5, 6, 7, 8, 9, 1, 2, 3, 4]  # 9 rows instead of 12
+    assert tree.depth.tolist() == [0, 1, 2, 2, 1, 2, 0, 1, 2]
+    assert tree.node_of.tolist() == [[0, 1, 2], [0, 1, 3], [0, 4, 5], [6, 7, 8]]
+    assert render(tree.mask) == [
+        "o........",
+        "oo.......",
+        "ooo......",
+        "oo.o.....",  # 8 sees 5, 6 and itself, not its sibling 7
+        "o...o....",
+        "o...oo...",
+        "......o..",
+        "......oo.",
+        "......ooo",
+    ]
+
+
+def test_a_trie_without_shared_prefixes_is_the_flat_candidate_block() -> None:
+    layout = LookaheadLayout(window=3, ngram=4, guesses=3)
+    tree = CandidateTree.build(torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]]))
+    n = layout.n_window_rows
+    assert torch.equal(tree.mask, layout.mask()[n:, n:])
+    assert torch.equal(tree.depth + 1, layout.offsets()[n:])
+
+
+def test_shared_prefixes_feed_fewer_tokens_with_the_same_output() -> None:
+    model = tiny_model(vocab=8, seed=3)  # a tiny vocabulary: many candidates share their first tokens
+    prompt = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1]
+    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=40)
+    got, run = run_tokens(model, prompt, Lookahead(3, 4, 6), max_new_tokens=40)
+    assert got == expected
+    window_rows = LookaheadLayout(3, 4, 6).n_window_rows
+    flat = sum(n * (window_rows + 3 * int(kind.split("+")[1].split("x")[0]))  # kinds read "window+{g}x3"
+               for kind, n in run.stats.step_kinds.items())
+    assert run.stats.tokens_fed < flat
 
 
 @pytest.mark.parametrize("W,N,G", [(0, 3, 1), (2, 1, 1), (2, 3, -1)])
