@@ -229,7 +229,7 @@ class AutoDecoder(LookaheadDecoder):
     def __init__(self, ctx: DecodeContext, settings: Auto) -> None:
         super().__init__(ctx, Lookahead(settings.window, settings.ngram, settings.guesses, seed=settings.seed))
         layout, K = self.layout, self.layout.levels
-        self.verify_shape = StepShape(layout, False, ctx.device)
+        self.verify_shape = StepShape(layout, with_window=False, device=ctx.device)
         sizes = {self.verify_shape.n_rows(g, k) for g in range(1, layout.guesses + 1) for k in range(1, K + 1)}
         sizes |= {self.full_shape.n_rows(g, K) for g in range(layout.guesses + 1)}
         self.costs = step_costs_for(ctx.model, sorted(sizes), settings.cost_file)
@@ -239,14 +239,12 @@ class AutoDecoder(LookaheadDecoder):
         # The window's worth: tokens accepted from candidates only the window made, per step that ran it.
         self.window_credit, self.window_steps = 0.5, 1.0  # a prior of half a token per window step
         self.since_verify = 0
-        self.plans: list[Plan] = []  # what was chosen, step by step (for statistics and tests)
 
     def step(self) -> list[int]:
         if self.near_end_of_context():
             return self._single_step()
         candidates = self.candidates(self.layout.guesses)
         plan = self.choose(len(candidates))
-        self.plans.append(plan)
         self.window_credit *= self.DECAY
         self.window_steps *= self.DECAY
         if plan.shape is None:

@@ -93,6 +93,11 @@ def check_prompt(prompt: Sequence[int], model: Transformer) -> None:
         raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {config.vocab_size})")
 
 
+def cache_capacity(model: Transformer, prompt_len: int, max_new_tokens: int, strategy: Strategy) -> int:
+    """KV cache slots a generation needs: every position it may use, plus room for one step's speculative rows."""
+    return min(model.config.max_seq_len, prompt_len + max_new_tokens) + strategy.max_step_tokens()
+
+
 def decode_tokens(model: Transformer, prompt: Sequence[int], run: TokenRun, *, strategy: Strategy,
                   sampling: SamplingParams, max_new_tokens: int, eos_ids: Sequence[int] = (),
                   cache: KVCache | None = None) -> Iterator[int]:
@@ -105,7 +110,7 @@ def decode_tokens(model: Transformer, prompt: Sequence[int], run: TokenRun, *, s
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     limit = min(model.config.max_seq_len, len(prompt) + max_new_tokens)
-    capacity = limit + strategy.max_step_tokens()
+    capacity = cache_capacity(model, len(prompt), max_new_tokens, strategy)
     if cache is None or cache.capacity < capacity:
         cache = model.new_cache(capacity)
     cache.truncate(0)

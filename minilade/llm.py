@@ -20,7 +20,8 @@ from typing import Iterator, Sequence, Union
 import torch
 
 from .auto import Auto
-from .engine import GenerationStats, TokenRun, check_prompt, decode_tokens, default_device, resolve_dtype
+from .engine import (GenerationStats, TokenRun, cache_capacity, check_prompt, decode_tokens, default_device,
+                     resolve_dtype)
 from .kv_cache import KVCache
 from .lookahead import Lookahead
 from .model import Transformer, build_model
@@ -126,10 +127,10 @@ class TextStream:
         self.result: Generation | None = None
         check_prompt(prompt_ids, llm.model)  # fail now, not at the first piece of text
         self._run = TokenRun(GenerationStats())
-        capacity = min(llm.model.config.max_seq_len, len(prompt_ids) + max_new_tokens)
+        capacity = cache_capacity(llm.model, len(prompt_ids), max_new_tokens, strategy)
         self._tokens = decode_tokens(llm.model, prompt_ids, self._run, strategy=strategy, sampling=sampling,
                                      max_new_tokens=max_new_tokens, eos_ids=llm.tokenizer.eos_ids,
-                                     cache=llm._cache_for(capacity + strategy.max_step_tokens()))
+                                     cache=llm._cache_for(capacity))
 
     def __iter__(self) -> Iterator[str]:
         detok = StreamDecoder(self.llm.tokenizer, skip_special=True)

@@ -101,7 +101,7 @@ class LookaheadDecoder(Decoder):
     def __init__(self, ctx: DecodeContext, settings: Lookahead) -> None:
         super().__init__(ctx)
         self.layout = layout = settings.layout
-        self.full_shape = StepShape(layout, True, ctx.device)
+        self.full_shape = StepShape(layout, with_window=True, device=ctx.device)
         self.pool = NGramPool(settings.ngram, settings.pool_capacity or max(settings.guesses, 1))
         prompt = ctx.tokens
         if settings.pool_from_prompt:
@@ -147,17 +147,18 @@ class LookaheadDecoder(Decoder):
         ctx, layout = self.ctx, self.layout
         g, device = candidates.shape[0], ctx.device
         if shape.with_window:
-            base = self.window.flatten()
+            base = self.window.flatten()  # a view: this also puts x into the window's slot [0, 0]
             base[0] = x
         else:
             base = torch.tensor([x])
         tokens = torch.cat([base, tree.tokens]).to(device)
         mask, offsets, read = shape.assemble(tree)
         logits = ctx.model(tokens[None], ctx.cache.length + offsets, ctx.cache, mask, logits_rows=read)[0]  # (R, V)
-        n_read = len(shape.read)
-        first_logits = logits[0]
-        new_level = logits[n_read - layout.window:n_read].argmax(-1) if shape.with_window else first_logits.new_zeros(
-            0, dtype=torch.long)
+        n_read, first_logits = len(shape.read), logits[0]
+        if shape.with_window:  # the lookahead branch only proposes, so it is greedy even when sampling
+            new_level = logits[n_read - layout.window:n_read].argmax(-1)
+        else:
+            new_level = torch.zeros(0, dtype=torch.long, device=device)
         cand_logits = logits[n_read:][tree.node_of.to(device)]  # (g, k, V): each candidate token's node
         cand_dev = candidates.to(device)
         first_choice = first_logits.argmax(-1)

@@ -27,6 +27,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.temperature == 0.0 and (self.top_k or self.top_p < 1.0):
+            raise ValueError("top_k and top_p apply only when sampling: set a temperature > 0 (0 means greedy)")
 
     @property
     def greedy(self) -> bool:

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from tqdm import tqdm
@@ -35,8 +36,6 @@ DATASETS = {  # name -> (file, field, chat template)
 def load_prompts(llm: LLM, data_dir: Path, name: str, n: int) -> list[list[int]]:
     file, field, chat = DATASETS[name]
     path = data_dir / file
-    if not path.is_file():
-        raise SystemExit(f"error: prompt set not found: {path}")
     rows = [json.loads(line) for line in path.read_text().splitlines()[:n]]
     return [llm.encode(r[field][0] if field == "turns" else r[field], chat=chat) for r in rows]
 
@@ -51,7 +50,7 @@ def margin_at(llm: LLM, prompt: list[int], generated: list[int], position: int) 
     return float(top[0] - top[1])
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default=DEFAULT_CHECKPOINT)
     p.add_argument("--dtype", default="float32")
@@ -61,7 +60,12 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--settings", nargs="+", default=["7,5,7"], metavar="W,N,G")
     p.add_argument("--out", type=Path, default=None, help="write the records as JSON here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    missing = [str(args.data_dir / DATASETS[name][0]) for name in args.datasets
+               if not (args.data_dir / DATASETS[name][0]).is_file()]
+    if missing:
+        print(f"error: prompt set not found: {', '.join(missing)}", file=sys.stderr)
+        return 2
     settings = [tuple(int(v) for v in s.split(",")) for s in args.settings]
     llm = LLM.load(args.ckpt, dtype=args.dtype, device="cpu", progress=False)
     prompts = {name: load_prompts(llm, args.data_dir, name, args.n_prompts) for name in args.datasets}
@@ -93,7 +97,8 @@ def main() -> int:
                               for r in rows if not r["same"])
             print(f"| {name} | {setting} | {sum(r['same'] for r in rows)}/{len(rows)} | {diffs or '-'} |")
     if args.out:
-        args.out.write_text(json.dumps(dict(command=" ".join(sys.argv), dtype=args.dtype, records=records), indent=1))
+        command = " ".join(["python scripts/exactness.py", *(argv if argv is not None else sys.argv[1:])])
+        args.out.write_text(json.dumps(dict(command=command, dtype=args.dtype, records=records), indent=1))
     return 0
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from .helpers import write_tiny_checkpoint
+
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,24 +60,10 @@ def fake_auto(bench, monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A tiny random LLaMA folder with a byte-level BPE tokenizer and a minimal chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    folder = tmp_path_factory.mktemp("tiny")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["a b c d hello world def return"] * 10, trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "chat_template.jinja").write_text(
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}assistant:{% endif %}")
-    config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=256, eos_token_id=2, bos_token_id=1)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "a b c d hello world def return",
+                                 max_positions=256, chat_template=template)
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +153,19 @@ def test_flops_per_step_formula(bench) -> None:
     assert bench.step_shape((7, 5, 7)) == ((7 + 7) * 4, 1 + 7 + 7 * 4)
     non_embedding = config.n_params - config.vocab_size * config.dim  # tied: the embedding is counted once
     assert bench.flops_per_step(config, 1, 1) == 2 * non_embedding + 2 * config.vocab_size * config.dim
+
+
+def test_exactness_script(tiny_checkpoint: Path, data_dir: Path, tmp_path: Path, capsys) -> None:
+    spec = importlib.util.spec_from_file_location("exactness_script", SCRIPT.parent / "exactness.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "exactness.json"
+    argv = ["--ckpt", str(tiny_checkpoint), "--data-dir", str(data_dir), "--n-prompts", "2", "--max-new-tokens", "8",
+            "--settings", "2,3,2", "--out", str(out)]
+    assert script.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "| humaneval | (2, 3, 2) | 2/2 | - |" in table  # float32 greedy lookahead equals autoregressive
+    records = json.loads(out.read_text())["records"]
+    assert len(records) == 6 and all(r["same"] for r in records)
+    assert script.main(["--data-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("error: prompt set not found")

@@ -12,6 +12,8 @@ import pytest
 from minilade.generate import main
 from minilade.tokenizer import Tokenizer
 
+from .helpers import write_tiny_checkpoint
+
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,22 +36,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, fact: str) -> Non
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
-    """A tiny random LLaMA folder with a byte-level BPE tokenizer trained on a few words."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    folder = tmp_path_factory.mktemp("tiny")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["a b c d hello world"] * 10, trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=64, eos_token_id=2, bos_token_id=1)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "a b c d hello world", max_positions=64)
 
 
 def test_generates_json(tiny_checkpoint: Path) -> None:
@@ -71,8 +58,9 @@ def test_prompt_from_stdin_and_stats_on_stderr(tiny_checkpoint: Path) -> None:
 @pytest.mark.parametrize("args,fact", [
     (["--ckpt", "/nonexistent/model.gguf"], "checkpoint not found"),
     (["--temperature", "-1"], "temperature must be >= 0"),
-    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--temperature", "1", "--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--top-k", "-3"], "top_k must be >= 0"),
+    (["--top-k", "5"], "apply only when sampling"),
     (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
     (["--strategy", "lookahead", "--ngram", "1"], "ngram size N must be >= 2"),
     (["--strategy", "lookahead", "--window", "0"], "window W must be >= 1"),
@@ -104,10 +92,23 @@ def test_wrong_architecture(tiny_checkpoint: Path, tmp_path: Path) -> None:
     assert_one_line_error(run_cli("a b", "--ckpt", str(tmp_path)), "unsupported architecture 'gpt2'")
 
 
+def test_interactive_chat_keeps_the_conversation(tmp_path: Path) -> None:
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    folder = write_tiny_checkpoint(tmp_path, "a b c d hello world", max_positions=256, chat_template=template)
+    result = run_cli("--interactive", "--ckpt", str(folder), "--max-new-tokens", "3", "--system", "be brief",
+                     stdin="hello\nworld\n\n")
+    assert result.returncode == 0, result.stderr
+    summaries = [line for line in result.stderr.splitlines() if line.startswith("[autoregressive]")]
+    assert len(summaries) == 2  # one reply per user turn, then the empty line ends the chat
+    first, second = (int(line.split("prompt ")[1].split(" tok")[0]) for line in summaries)
+    assert second > first  # the second turn's prompt holds the first exchange too
+
+
 def test_chat_without_template(tiny_checkpoint: Path) -> None:
     assert_one_line_error(run_cli("a b", "--chat", "--ckpt", str(tiny_checkpoint)), "no chat template")
 
 
 def test_main_returns_exit_code(tiny_checkpoint: Path, capsys) -> None:
-    assert main(["a", "--ckpt", str(tiny_checkpoint), "--top-p", "0"]) == 2
+    assert main(["a", "--ckpt", str(tiny_checkpoint), "--temperature", "1", "--top-p", "0"]) == 2
     assert capsys.readouterr().err.startswith("error: top_p")

@@ -34,9 +34,15 @@ def test_warp_temperature_top_k_top_p() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_k=-1),
-                                    dict(top_p=0.0), dict(top_p=1.5)])
+                                    dict(temperature=1.0, top_p=0.0), dict(temperature=1.0, top_p=1.5)])
 def test_invalid_sampling_settings(kwargs: dict) -> None:
     with pytest.raises(ValueError, match="must be"):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_k=5), dict(top_p=0.9)])
+def test_top_k_and_top_p_without_a_temperature_are_an_error(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="apply only when sampling"):
         SamplingParams(**kwargs)
 
 
