@@ -602,15 +602,17 @@ def plot_speedups(Figure: Any, summary: list[dict], path: Path) -> None:
 
 
 def plot_compression_vs_flops(Figure: Any, summary: list[dict], path: Path) -> None:
-    """(b) Tokens emitted per forward pass (compression) against FLOPs per step, greedy, one point per lookahead
-    setting and dataset; autoregressive decoding is the point at 1 token per pass."""
+    """(b) Tokens emitted per forward pass (compression) against FLOPs per step, one line per dataset and
+    temperature, one point per lookahead setting; autoregressive decoding is the point at 1 token per pass."""
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
-    rows = [s for s in summary if s["temperature"] == 0 and s["flops_per_step"] and s["compression"]]
-    for dataset in dict.fromkeys(s["dataset"] for s in rows):
-        points = sorted((s for s in rows if s["dataset"] == dataset), key=lambda s: s["flops_per_step"])
+    rows = [s for s in summary if s["flops_per_step"] and s["compression"]]
+    for dataset, temperature in dict.fromkeys((s["dataset"], s["temperature"]) for s in rows):
+        points = sorted((s for s in rows if s["dataset"] == dataset and s["temperature"] == temperature),
+                        key=lambda s: s["flops_per_step"])
+        label = dataset if temperature == 0 else f"{dataset}, T={temperature:g}"
         ax.plot([s["flops_per_step"] for s in points], [s["compression"] for s in points], marker="o",
-                linewidth=0.8, label=dataset)
+                linewidth=0.8, label=label)
         for s in points:
             name = "AR" if s["setting"] is None else "({},{},{})".format(*s["setting"])
             ax.annotate(name, (s["flops_per_step"], s["compression"]), fontsize=7, xytext=(3, 3),
@@ -638,7 +640,8 @@ def plot_step_costs(Figure: Any, costs: dict[int, float], source: str, settings:
                         textcoords="offset points")
     ax.axhline(1.0, color="black", linewidth=1)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [str(t) for t in sizes], fontsize=7)
+    ticks = [t for t in sizes if t & (t - 1) == 0]  # powers of two: the settings' own sizes are annotated
+    ax.set_xticks(ticks, [str(t) for t in ticks], fontsize=7)
     ax.minorticks_off()
     ax.set_xlabel("tokens in the forward pass")
     ax.set_ylabel("time per pass / time of a 1-token pass")

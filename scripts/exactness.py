@@ -50,19 +50,29 @@ def margin_at(llm: LLM, prompt: list[int], generated: list[int], position: int) 
     return float(top[0] - top[1])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def prompt_set_parser(description: str, n_prompts: int) -> argparse.ArgumentParser:
+    """The options this script shares with ablation.py: checkpoint, prompt sets, budget, settings, output."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default=DEFAULT_CHECKPOINT)
-    p.add_argument("--dtype", default="float32")
     p.add_argument("--data-dir", type=Path, default=(REPO_ROOT / ".." / "shared" / "data").resolve())
     p.add_argument("--datasets", nargs="+", choices=list(DATASETS), default=list(DATASETS))
-    p.add_argument("--n-prompts", type=int, default=10)
+    p.add_argument("--n-prompts", type=int, default=n_prompts)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--settings", nargs="+", default=["7,5,7"], metavar="W,N,G")
     p.add_argument("--out", type=Path, default=None, help="write the records as JSON here")
+    return p
+
+
+def missing_prompt_sets(args: argparse.Namespace) -> list[str]:
+    return [str(args.data_dir / DATASETS[name][0]) for name in args.datasets
+            if not (args.data_dir / DATASETS[name][0]).is_file()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = prompt_set_parser(__doc__, n_prompts=10)
+    p.add_argument("--dtype", default="float32")
     args = p.parse_args(argv)
-    missing = [str(args.data_dir / DATASETS[name][0]) for name in args.datasets
-               if not (args.data_dir / DATASETS[name][0]).is_file()]
+    missing = missing_prompt_sets(args)
     if missing:
         print(f"error: prompt set not found: {', '.join(missing)}", file=sys.stderr)
         return 2

@@ -169,3 +169,30 @@ def test_exactness_script(tiny_checkpoint: Path, data_dir: Path, tmp_path: Path,
     assert len(records) == 6 and all(r["same"] for r in records)
     assert script.main(["--data-dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("error: prompt set not found")
+
+
+def test_ablation_script(tiny_checkpoint: Path, data_dir: Path, tmp_path: Path, capsys) -> None:
+    spec = importlib.util.spec_from_file_location("ablation_script", SCRIPT.parent / "ablation.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "ablation.json"
+    argv = ["--ckpt", str(tiny_checkpoint), "--data-dir", str(data_dir), "--n-prompts", "2", "--max-new-tokens", "12",
+            "--settings", "2,3,2", "--out", str(out)]
+    assert script.main(argv) == 0  # every variant gave the same (exact) output
+    table = capsys.readouterr().out
+    assert "| minilade | no bonus token | no prompt pool | reference-like | same output |" in table
+    assert "| gsm8k | (2, 3, 2) |" in table
+    records = json.loads(out.read_text())["records"]
+    assert len(records) == 3 * 2 * 4 and all(r["same_output"] for r in records)
+    capped = [r for r in records if r["variant"] in ("no bonus token", "reference-like")]
+    assert all(r["most_per_step"] <= 2 for r in capped)  # N - 1 = 2: the reference's cap holds
+    assert script.main(["--data-dir", str(tmp_path)]) == 2
+
+
+def test_matmul_floor_script(tiny_checkpoint: Path, capsys) -> None:
+    spec = importlib.util.spec_from_file_location("matmul_floor_script", SCRIPT.parent / "matmul_floor.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--ckpt", str(tiny_checkpoint), "--reps", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "| float32 |" in table and "| bfloat16 |" in table
