@@ -22,6 +22,14 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None  # a bench extra, not a test one
 
 
+def load_script(name: str):
+    """A sibling script of benchmark.py as a module, so its main() runs in-process."""
+    spec = importlib.util.spec_from_file_location(f"{name}_script", SCRIPT.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def bench():
     """The script as a module, so its main() runs in-process (no second interpreter start-up)."""
@@ -156,9 +164,7 @@ def test_flops_per_step_formula(bench) -> None:
 
 
 def test_exactness_script(tiny_checkpoint: Path, data_dir: Path, tmp_path: Path, capsys) -> None:
-    spec = importlib.util.spec_from_file_location("exactness_script", SCRIPT.parent / "exactness.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("exactness")
     out = tmp_path / "exactness.json"
     argv = ["--ckpt", str(tiny_checkpoint), "--data-dir", str(data_dir), "--n-prompts", "2", "--max-new-tokens", "8",
             "--settings", "2,3,2", "--out", str(out)]
@@ -172,9 +178,7 @@ def test_exactness_script(tiny_checkpoint: Path, data_dir: Path, tmp_path: Path,
 
 
 def test_ablation_script(tiny_checkpoint: Path, data_dir: Path, tmp_path: Path, capsys) -> None:
-    spec = importlib.util.spec_from_file_location("ablation_script", SCRIPT.parent / "ablation.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("ablation")
     out = tmp_path / "ablation.json"
     argv = ["--ckpt", str(tiny_checkpoint), "--data-dir", str(data_dir), "--n-prompts", "2", "--max-new-tokens", "12",
             "--settings", "2,3,2", "--out", str(out)]
@@ -190,9 +194,7 @@ def test_ablation_script(tiny_checkpoint: Path, data_dir: Path, tmp_path: Path, 
 
 
 def test_matmul_floor_script(tiny_checkpoint: Path, capsys) -> None:
-    spec = importlib.util.spec_from_file_location("matmul_floor_script", SCRIPT.parent / "matmul_floor.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("matmul_floor")
     assert script.main(["--ckpt", str(tiny_checkpoint), "--reps", "2"]) == 0
     table = capsys.readouterr().out
     assert "| float32 |" in table and "| bfloat16 |" in table
