@@ -6,12 +6,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .errors import UnsupportedModelError
+
 # model_type values whose checkpoints follow the LLaMA layout exactly (RMSNorm, RoPE, GQA, SwiGLU).
 LLAMA_LIKE_MODEL_TYPES = ("llama", "mistral")
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint describes a model minilade cannot run (architecture, option or tensor type)."""
 
 
 @dataclass(frozen=True)

@@ -19,17 +19,20 @@ from typing import Iterator, Sequence, Union
 
 import torch
 
-from .auto import Auto
-from .engine import (GenerationStats, TokenRun, cache_capacity, check_prompt, decode_tokens, default_device,
-                     resolve_dtype)
+from .checkpoints import DEFAULT_CHECKPOINT, build_model, open_checkpoint
+from .decoding import Auto, Autoregressive, Lookahead, Strategy
+from .decoding.loop import (
+    GenerationStats,
+    TokenRun,
+    cache_capacity,
+    check_prompt,
+    decode_tokens,
+)
+from .device import default_device, pack_linears, packing_available, resolve_dtype
 from .kv_cache import KVCache
-from .lookahead import Lookahead
-from .model import Transformer, build_model
-from .packing import pack_linears, packing_available
+from .model import Transformer
 from .sampling import SamplingParams
-from .strategies import Autoregressive, Strategy
 from .tokenizer import StreamDecoder, Tokenizer
-from .weights import DEFAULT_CHECKPOINT, open_checkpoint
 
 Messages = list[dict[str, str]]
 Prompt = Union[str, Sequence[int], Messages]

@@ -8,7 +8,6 @@ only the rows the caller asks for.
 from __future__ import annotations
 
 import math
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -186,21 +185,6 @@ class Transformer(nn.Module):
         full[:, past:] = mask
         return full
 
-    # ---- weights -------------------------------------------------------------------------------------------
-
-    def load_hf_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype,
-                        device: torch.device | str) -> None:
-        """Assign weights given under the canonical Hugging Face LLaMA names, converted to dtype/device.
-        Works on a model built on the meta device, so the weights exist in memory only once."""
-        state = hf_to_minilade_state_dict(tensors, self.config, dtype=dtype, device=device)
-        missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
-        missing = [m for m in missing if not (self.config.tie_word_embeddings and m == "output.weight")]
-        if missing or unexpected:
-            raise ValueError(f"weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-        if self.config.tie_word_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        self.setup_rope()
-
     def init_random(self, seed: int = 0, std: float = 0.02) -> "Transformer":
         """Random weights (for tests and benchmarks), reproducible from the seed."""
         gen = torch.Generator().manual_seed(seed)
@@ -212,60 +196,3 @@ class Transformer(nn.Module):
                     p.copy_(std * torch.randn(p.shape, generator=gen))
         self.setup_rope()
         return self
-
-
-def hf_to_minilade_state_dict(tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, *,
-                              dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Rename Hugging Face LLaMA tensors to this model's names, fusing q/k/v and gate/up as they arrive."""
-    direct = {
-        "model.embed_tokens.weight": "tok_embeddings.weight",
-        "model.norm.weight": "norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    per_layer = {
-        "input_layernorm.weight": "attention_norm.weight",
-        "post_attention_layernorm.weight": "ffn_norm.weight",
-        "self_attn.o_proj.weight": "attention.wo.weight",
-        "self_attn.o_proj.bias": "attention.wo.bias",
-        "mlp.down_proj.weight": "feed_forward.w_down.weight",
-        "mlp.down_proj.bias": "feed_forward.w_down.bias",
-    }
-    fused = {  # our name -> the HF parts, concatenated in this order along the output dimension
-        "attention.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        "feed_forward.w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-    }
-    part_of = {f"{part}.{kind}": (ours, kind) for ours, parts in fused.items() for part in parts
-               for kind in ("weight", "bias")}
-    state: dict[str, torch.Tensor] = {}
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in tensors:
-        tensor = tensor.to(device=device, dtype=dtype)
-        if name in direct:
-            state[direct[name]] = tensor
-            continue
-        if not name.startswith("model.layers."):
-            continue  # e.g. rotary inv_freq buffers
-        layer, rest = name[len("model.layers."):].split(".", 1)
-        prefix = f"layers.{layer}."
-        if rest in per_layer:
-            state[prefix + per_layer[rest]] = tensor
-        elif rest in part_of:
-            ours, kind = part_of[rest]
-            key = f"{prefix}{ours}.{kind}"
-            pending.setdefault(key, {})[rest] = tensor
-            parts = [f"{p}.{kind}" for p in fused[ours]]
-            if all(p in pending[key] for p in parts):
-                done = pending.pop(key)
-                state[key] = torch.cat([done[p] for p in parts], dim=0)
-    if pending:
-        raise ValueError(f"incomplete fused weights: {sorted(pending)[:3]}")
-    return state
-
-
-def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype,
-                device: torch.device | str) -> Transformer:
-    """A Transformer with the given weights, built on the meta device so no random weights are ever allocated."""
-    with torch.device("meta"):
-        model = Transformer(config)
-    model.load_hf_weights(tensors, dtype=dtype, device=device)
-    return model.eval().requires_grad_(False)

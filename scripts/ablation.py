@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -26,32 +25,15 @@ import torch
 from tqdm import tqdm
 
 from minilade import LLM, Lookahead
-from minilade.lookahead import LookaheadDecoder
-from minilade.strategies import DecodeContext, Decoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from exactness import load_prompts, missing_prompt_sets, prompt_set_parser  # noqa: E402  (a sibling script)
 
-
-class NoBonusDecoder(LookaheadDecoder):
-    """Accepts at most N - 2 candidate tokens, so a step emits at most N - 1 tokens (the reference's cap)."""
-
-    def _verify(self, first_choice, first_logits, candidates, cand_logits):
-        best, n_acc, matches, chain = super()._verify(first_choice, first_logits, candidates, cand_logits)
-        return best, n_acc.clamp(max=self.layout.levels - 1), matches, chain
-
-
-@dataclass(frozen=True)
-class NoBonusLookahead(Lookahead):
-    def make_decoder(self, ctx: DecodeContext) -> Decoder:
-        return NoBonusDecoder(ctx, self)
-
-
 VARIANTS = {
     "minilade": lambda s: Lookahead(*s),
-    "no bonus token": lambda s: NoBonusLookahead(*s),
+    "no bonus token": lambda s: Lookahead(*s, bonus_token=False),
     "no prompt pool": lambda s: Lookahead(*s, pool_from_prompt=False),
-    "reference-like": lambda s: NoBonusLookahead(*s, pool_from_prompt=False),
+    "reference-like": lambda s: Lookahead(*s, bonus_token=False, pool_from_prompt=False),
 }
 
 

@@ -8,7 +8,7 @@
 
 Modes
   decode (default)  Per dataset and configuration (minilade autoregressive, lookahead at each --settings W,N,G,
-                    auto when minilade.auto exists, transformers generate, transformers prompt lookup): new tokens,
+                    auto, transformers generate, transformers prompt lookup): new tokens,
                     forward passes, compression (new tokens per forward pass, prefill included), tokens per second,
                     speedups and exact matches. Also measures the step-cost curve. Writes results.json and plots.
   ar                minilade autoregressive vs transformers generate per --dtypes: tokens per second, their ratio,
@@ -49,10 +49,10 @@ import torch
 from tqdm import tqdm
 
 from minilade import LLM, Auto, Autoregressive, Lookahead
-from minilade.auto import measure_step_costs
-from minilade.config import ModelConfig, UnsupportedModelError
-from minilade.tokenizer import TokenizerError
-from minilade.weights import DEFAULT_CHECKPOINT, CheckpointError, resolve_checkpoint
+from minilade.checkpoints import DEFAULT_CHECKPOINT, CheckpointError, resolve_checkpoint
+from minilade.config import ModelConfig
+from minilade.decoding.step_costs import measure_step_costs
+from minilade.errors import TokenizerError, UnsupportedModelError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_DIR = (REPO_ROOT / ".." / "shared" / "data").resolve()
@@ -484,7 +484,7 @@ def default_step_sizes(settings: Sequence[tuple[int, int, int]]) -> list[int]:
 
 def step_costs(model: Any, sizes: list[int], reps: int) -> dict[int, float]:
     """Seconds per forward pass of T tokens (every row projected: an upper bound for lookahead, which projects
-    fewer), measured by minilade.auto.measure_step_costs, the function the auto strategy itself relies on.
+    fewer), measured by minilade.decoding.step_costs.measure_step_costs, the function the auto strategy itself relies on.
     Sizes that do not fit the model's context are skipped."""
     fits = [t for t in sizes if t < model.config.max_seq_len // 2]
     return {int(t): float(s) for t, s in measure_step_costs(model, fits, repeats=reps).items()} if fits else {}
@@ -736,7 +736,7 @@ def run_decode(args: argparse.Namespace, command: str) -> dict:
     with_reference = ckpt_path.name == REFERENCE_MODEL_FILE and args.dtype == "float32"
     summary = summarize_decode(records, configs_by_temp, llm.model.config, with_reference)
     sizes = args.step_sizes or default_step_sizes(args.settings)
-    costs, source = step_costs(llm.model, sizes, args.step_reps), "minilade.auto.measure_step_costs"
+    costs, source = step_costs(llm.model, sizes, args.step_reps), "minilade.decoding.step_costs.measure_step_costs"
     print(decode_tables(summary))
     if costs:
         print(step_cost_table(costs, source))

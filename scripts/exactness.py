@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from minilade import LLM, Lookahead
-from minilade.weights import DEFAULT_CHECKPOINT
+from minilade.checkpoints import DEFAULT_CHECKPOINT
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATASETS = {  # name -> (file, field, chat template)

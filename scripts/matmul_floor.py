@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from minilade import LLM
-from minilade.weights import DEFAULT_CHECKPOINT
+from minilade.checkpoints import DEFAULT_CHECKPOINT
 
 
 def matmul_seconds(weights: list[torch.Tensor], reps: int) -> float:

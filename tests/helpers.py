@@ -8,10 +8,10 @@ from typing import Sequence
 import torch
 
 from minilade.config import ModelConfig
-from minilade.engine import GenerationStats, TokenRun, decode_tokens
+from minilade.decoding.base import Strategy
+from minilade.decoding.loop import GenerationStats, TokenRun, decode_tokens
 from minilade.model import Transformer
 from minilade.sampling import SamplingParams
-from minilade.strategies import Strategy
 
 
 def tiny_model(vocab: int = 16, seed: int = 0, std: float = 0.3, preset: str = "tiny-gqa",

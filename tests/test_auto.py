@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
-import minilade.auto as auto
-from minilade.auto import AcceptanceStats, Auto, StepCosts, prompt_self_prediction, step_costs_for
+import minilade.decoding.step_costs as auto
+from minilade.decoding import Autoregressive
+from minilade.decoding.auto import AcceptanceStats, Auto, prompt_self_prediction
+from minilade.decoding.step_costs import StepCosts, step_costs_for
 from minilade.sampling import SamplingParams
-from minilade.strategies import Autoregressive
 
 from .helpers import run_tokens, tiny_model
 from .test_sampling import chi_square_p_value, exact_distribution, sample_counts

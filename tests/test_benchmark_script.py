@@ -15,7 +15,6 @@ import torch
 
 from .helpers import write_tiny_checkpoint
 
-
 transformers = pytest.importorskip("transformers")
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark.py"
@@ -53,16 +52,16 @@ def restore_threads():
 @pytest.fixture
 def fake_auto(bench, monkeypatch):
     """A made-up step-cost curve, for the auto strategy and the step-cost table alike."""
-    import minilade.auto
+    import minilade.decoding.step_costs
 
     def fake(model, sizes, **kw):
         return {t: 1e-3 * (1 + t / 8) for t in sizes}
 
-    monkeypatch.setattr(minilade.auto, "measure_step_costs", fake)
+    monkeypatch.setattr(minilade.decoding.step_costs, "measure_step_costs", fake)
     monkeypatch.setattr(bench, "measure_step_costs", fake)
-    minilade.auto._MEASURED.clear()
+    minilade.decoding.step_costs._MEASURED.clear()
     yield
-    minilade.auto._MEASURED.clear()
+    minilade.decoding.step_costs._MEASURED.clear()
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +115,7 @@ def test_decode_mode_writes_tables_json_and_plots(bench, fake_auto, tiny_checkpo
             assert greedy[(dataset, config)]["exact_match"] == 2, (dataset, config)
     assert greedy[("mt_bench", "transformers generate")]["forward_passes"] is None
     assert all(s["reference_compression"] is None for s in doc["summary"])
-    assert doc["step_costs"]["source"] == "minilade.auto.measure_step_costs"
+    assert doc["step_costs"]["source"] == "minilade.decoding.step_costs.measure_step_costs"
     assert doc["step_costs"]["seconds"] == {"1": 1e-3 * 1.125, "4": 1e-3 * 1.5, "12": 1e-3 * 2.5}
     if not HAVE_MATPLOTLIB:
         return

@@ -14,7 +14,6 @@ from minilade.tokenizer import Tokenizer
 
 from .helpers import write_tiny_checkpoint
 
-
 transformers = pytest.importorskip("transformers")
 
 

@@ -7,10 +7,10 @@ import itertools
 import pytest
 import torch
 
-from minilade.lookahead import Lookahead
+from minilade.decoding import Autoregressive
+from minilade.decoding.lookahead import Lookahead
 from minilade.masks import CandidateTree, LookaheadLayout
 from minilade.ngram_pool import NGramPool
-from minilade.strategies import Autoregressive
 from minilade.verify import greedy_verify
 
 from .helpers import run_tokens, tiny_model

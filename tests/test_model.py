@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minilade.model import build_model
-from minilade.weights import open_checkpoint
+from minilade.checkpoints import build_model, open_checkpoint
 
 from .helpers import tiny_model
 

@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from minilade.lookahead import Lookahead
-from minilade.packing import pack_linears, packing_available
-from minilade.strategies import Autoregressive
+from minilade.decoding import Autoregressive
+from minilade.decoding.lookahead import Lookahead
+from minilade.device import pack_linears, packing_available
 
 from .helpers import run_tokens, tiny_model
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minilade.lookahead import Lookahead
+from minilade.decoding import Autoregressive
+from minilade.decoding.lookahead import Lookahead
 from minilade.llm import LLM
-from minilade.strategies import Autoregressive
 
 pytestmark = pytest.mark.real_model
 

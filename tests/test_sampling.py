@@ -8,14 +8,13 @@ from collections import Counter
 import pytest
 import torch
 
-import minilade.lookahead
-from minilade.lookahead import Lookahead
+import minilade.decoding.lookahead
+from minilade.decoding import Autoregressive
+from minilade.decoding.lookahead import Lookahead
 from minilade.sampling import Sampler, SamplingParams, warp
-from minilade.strategies import Autoregressive
 from minilade.verify import sample_verify
 
 from .helpers import run_tokens, tiny_model
-
 
 # ---- warping ------------------------------------------------------------------------------------------------
 
@@ -229,7 +228,7 @@ def without_renormalisation(probs0, candidates, cand_logits, sampler):
 
 @pytest.mark.parametrize("wrong", [accept_unconditionally, without_renormalisation])
 def test_the_statistical_test_rejects_a_wrong_verifier(model, monkeypatch, wrong) -> None:
-    monkeypatch.setattr(minilade.lookahead, "sample_verify", wrong)
+    monkeypatch.setattr(minilade.decoding.lookahead, "sample_verify", wrong)
     params, n = SETTINGS[0], 600  # far fewer samples than the correct verifier is held to
     counts, _ = sample_counts(model, LOOKAHEAD, params, n)
     assert chi_square_p_value(counts, exact_distribution(model, params), n) < 1e-6

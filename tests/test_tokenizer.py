@@ -22,7 +22,8 @@ import tokenizers
 from tokenizers import pre_tokenizers
 
 import minilade
-from minilade.tokenizer import StreamDecoder, Tokenizer, TokenizerError
+from minilade.errors import TokenizerError
+from minilade.tokenizer import StreamDecoder, Tokenizer
 
 PACKAGE_DIR = Path(minilade.__file__).parent
 
@@ -167,7 +168,7 @@ def test_smollm2_encode_matches_transformers(smollm2: Tokenizer, hf_smollm2, tex
 
 
 def test_smollm2_encodes_real_files_like_transformers(smollm2: Tokenizer, hf_smollm2) -> None:
-    for path in (PACKAGE_DIR / "config.py", PACKAGE_DIR / "chat_template.py"):
+    for path in (PACKAGE_DIR / "config.py", PACKAGE_DIR / "tokenizer" / "chat_template.py"):
         text = path.read_text(encoding="utf-8")
         assert smollm2.encode(text) == hf_smollm2.encode(text), path.name
 

@@ -1,4 +1,4 @@
-"""Weight loading and checkpoint resolution (minilade.weights).
+"""Weight loading and checkpoint resolution (minilade.checkpoints).
 
 Reference: tiny random `transformers.LlamaForCausalLM` models. Safetensors folders are written with
 save_pretrained; GGUF files are written with gguf.GGUFWriter the way llama.cpp's converter writes them (its tensor
@@ -25,19 +25,25 @@ from gguf import GGMLQuantizationType as QType
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from minilade.config import ModelConfig, UnsupportedModelError
-from minilade.weights import (
+from minilade.checkpoints import (
     DEFAULT_CHECKPOINT,
     CheckpointError,
     UnsupportedCheckpointError,
     default_weights_dir,
+    download,
     expected_tensor_shapes,
     open_checkpoint,
+    resolve,
     resolve_checkpoint,
 )
-from minilade.weights import download, resolve
-from minilade.weights.download import HF_ALLOW_PATTERNS, SMOLLM2_135M_INSTRUCT_Q4_1, PackagedFile
-from minilade.weights.hf import read_hf_config
+from minilade.checkpoints.download import (
+    HF_ALLOW_PATTERNS,
+    SMOLLM2_135M_INSTRUCT_Q4_1,
+    PackagedFile,
+)
+from minilade.checkpoints.hf import read_hf_config
+from minilade.config import ModelConfig
+from minilade.errors import UnsupportedModelError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """Lookahead decoding (Fu et al., 2024): parallel decoding without a draft model.
 
-Each step is one forward pass over two branches packed side by side (geometry in masks.py):
+Each step is one forward pass over two branches packed side by side (geometry in minilade/masks.py):
 - the lookahead branch, a W x (N-1) window of a Jacobi iteration. Its newest level's outputs form a new level;
   each column then spells an n-gram, which goes into the pool;
 - the verification branch, up to G candidate n-grams from the pool that start with the input token. The model's
@@ -14,16 +14,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .masks import CandidateTree, LookaheadLayout
-from .ngram_pool import NGramPool
-from .strategies import DecodeContext, Decoder, Strategy
-from .verify import greedy_verify, sample_verify
+from ..masks import CandidateTree, LookaheadLayout
+from ..ngram_pool import NGramPool
+from ..verify import greedy_verify, sample_verify
+from .base import DecodeContext, Decoder, Strategy
 
 
 @dataclass(frozen=True)
 class Lookahead(Strategy):
     """window W, ngram N, guesses G (see masks.py). pool_capacity: continuations kept per key (default G).
-    seed: the initial window is drawn from the prompt with it, so step counts are reproducible."""
+    seed: the initial window is drawn from the prompt with it, so step counts are reproducible.
+    bonus_token: after a wholly accepted candidate also emit the model's next token (up to N tokens a step);
+    False caps a step at N - 1 tokens as the published reference does, for comparisons with it."""
 
     window: int = 5
     ngram: int = 4
@@ -31,6 +33,7 @@ class Lookahead(Strategy):
     pool_from_prompt: bool = True
     pool_capacity: int | None = None
     seed: int = 0
+    bonus_token: bool = True
     name = "lookahead"
 
     def __post_init__(self) -> None:
@@ -101,6 +104,7 @@ class LookaheadDecoder(Decoder):
     def __init__(self, ctx: DecodeContext, settings: Lookahead) -> None:
         super().__init__(ctx)
         self.layout = layout = settings.layout
+        self.bonus_token = settings.bonus_token
         self.full_shape = StepShape(layout, with_window=True, device=ctx.device)
         self.pool = NGramPool(settings.ngram, settings.pool_capacity or max(settings.guesses, 1))
         prompt = ctx.tokens
@@ -180,6 +184,8 @@ class LookaheadDecoder(Decoder):
         best, n_acc, chain, matches = greedy_verify(first_choice, candidates, cand_logits.argmax(-1))
         if not sampler.greedy:
             best, n_acc, chain = sample_verify(sampler.probs(first_logits), candidates, cand_logits, sampler)
+        if not self.bonus_token:
+            n_acc = n_acc.clamp(max=candidates.shape[1] - 1)
         return best, n_acc, matches, chain
 
     def _commit(self, shape: StepShape, tree: CandidateTree, outcome: StepOutcome) -> None:

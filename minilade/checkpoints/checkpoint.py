@@ -12,11 +12,13 @@ from typing import Iterable, Iterator, Mapping, Protocol
 
 import torch
 
-from minilade.config import ModelConfig
-from minilade.weights.errors import CheckpointError
-from minilade.weights.gguf import open_gguf
-from minilade.weights.hf import open_safetensors_folder
-from minilade.weights.resolve import resolve_checkpoint
+from ..config import ModelConfig
+from ..errors import CheckpointError
+from ..model import Transformer
+from .gguf import open_gguf
+from .hf import open_safetensors_folder
+from .names import hf_to_minilade_state_dict
+from .resolve import resolve_checkpoint
 
 
 class TensorSource(Protocol):
@@ -113,3 +115,20 @@ def _open_gguf_file(path: Path) -> Checkpoint:
 def _open_safetensors_folder(path: Path) -> Checkpoint:
     config, source = open_safetensors_folder(path)
     return Checkpoint(path=path, format="safetensors", config=config, source=source)
+
+
+def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype,
+                device: torch.device | str) -> Transformer:
+    """A Transformer with the given canonical-named weights (converted to dtype/device), built on the meta device
+    so no random weights are ever allocated and the weights exist in memory once."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    state = hf_to_minilade_state_dict(tensors, config, dtype=dtype, device=device)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "output.weight")]
+    if missing or unexpected:
+        raise CheckpointError(f"weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if config.tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model.setup_rope()
+    return model.eval().requires_grad_(False)

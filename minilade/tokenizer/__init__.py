@@ -38,22 +38,15 @@ import sentencepiece
 import tokenizers
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 
-from minilade.chat_template import ChatTemplate, ChatTemplateError
-from minilade.weights.gguf import read_gguf_metadata
-
-
-class TokenizerError(ValueError):
-    """The tokenizer cannot be loaded or used: missing files, unsupported vocabulary, no or failing chat template."""
-
+from ..checkpoints.gguf import read_gguf_metadata
+from ..checkpoints.hf import read_json_object
+from ..errors import ChatTemplateError, TokenizerError, one_line
+from .chat_template import ChatTemplate
 
 Encoder = Callable[[str], list[int]]  # text -> ids, special tokens in the text matched, no BOS/EOS added
 
 _SPACE_MARK = "\u2581"  # '▁', SentencePiece's spelling of a space
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback tokens, e.g. <0x0A>
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -231,15 +224,6 @@ class StreamDecoder:
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise TokenizerError(f"{path}: unreadable JSON ({_one_line(error)})") from error
-
-
 def _token_content(value: Any) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or an AddedToken dict with "content"."""
     if isinstance(value, dict):
@@ -268,12 +252,13 @@ class _FolderConfig:
 
     @classmethod
     def read(cls, folder: Path) -> _FolderConfig:
-        tokenizer = _read_json(folder / "tokenizer_config.json")
+        tokenizer = read_json_object(folder / "tokenizer_config.json", optional=True)
         jinja = folder / "chat_template.jinja"
         # As in transformers, a chat_template.jinja file takes precedence over tokenizer_config's template.
         template = jinja.read_text(encoding="utf-8") if jinja.is_file() else _config_template(tokenizer)
-        return cls(tokenizer, _read_json(folder / "special_tokens_map.json"),
-                   _read_json(folder / "generation_config.json"), _read_json(folder / "config.json"), template)
+        side_file = lambda name: read_json_object(folder / name, optional=True)  # noqa: E731
+        return cls(tokenizer, side_file("special_tokens_map.json"), side_file("generation_config.json"),
+                   side_file("config.json"), template)
 
     def special_tokens(self) -> dict[str, str]:
         """bos_token/eos_token/unk_token/pad_token -> string, tokenizer_config first, then special_tokens_map."""
@@ -319,7 +304,7 @@ def _load_tokenizer_json(folder: Path) -> Tokenizer:
     try:
         backend = tokenizers.Tokenizer.from_file(str(path))
     except Exception as error:  # `tokenizers` reports parse errors as plain Exception
-        raise TokenizerError(f"{path}: cannot load ({_one_line(error)})") from error
+        raise TokenizerError(f"{path}: cannot load ({one_line(error)})") from error
     config = _FolderConfig.read(folder)
     named = config.special_tokens()
     bos_id = config.bos_id(backend.token_to_id, named)
@@ -420,7 +405,7 @@ def _load_sentencepiece_model(folder: Path) -> Tokenizer:
     try:
         processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
     except (OSError, RuntimeError) as error:
-        raise TokenizerError(f"{path}: cannot load ({_one_line(error)})") from error
+        raise TokenizerError(f"{path}: cannot load ({one_line(error)})") from error
     config = _FolderConfig.read(folder)
     texts = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]  # extended by added tokens
     # Control and unknown pieces (<s>, </s>, <unk>) are special, are matched in text and decode verbatim.
@@ -557,7 +542,7 @@ def _byte_level_bpe(vocab: _GgufVocab, pre: str, path: Path) -> tuple[tokenizers
     try:
         model = models.BPE(token_to_id, merges, ignore_merges=split.ignore_merges)
     except Exception as error:  # `tokenizers` reports a merge of unknown tokens as plain Exception
-        raise TokenizerError(f"{path}: inconsistent byte-level vocabulary ({_one_line(error)})") from error
+        raise TokenizerError(f"{path}: inconsistent byte-level vocabulary ({one_line(error)})") from error
     backend = tokenizers.Tokenizer(model)
     backend.pre_tokenizer = split.pre_tokenizer()
     return backend, split.add_bos
@@ -609,7 +594,7 @@ def _read_gguf(path: Path) -> dict[str, Any]:
     try:
         return read_gguf_metadata(path)
     except (OSError, ValueError) as error:
-        raise TokenizerError(f"{path}: unreadable GGUF file ({_one_line(error)})") from error
+        raise TokenizerError(f"{path}: unreadable GGUF file ({one_line(error)})") from error
 
 
 def _load_gguf(path: Path, meta: Mapping[str, Any] | None = None) -> Tokenizer:

@@ -1,4 +1,4 @@
-"""Prepacked weights for multi-token steps on the CPU.
+"""Device and dtype policy, and prepacked weights for multi-token steps on the CPU.
 
 A CPU matrix multiply of a few rows by a large weight spends much of its time re-laying out ("packing") the weight
 on every call; for one row (a plain decoding step) the library uses a matrix-vector product that needs no packing.
@@ -14,6 +14,35 @@ import torch.nn.functional as F
 from torch import nn
 
 from .model import Transformer
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """bfloat16 where the hardware computes in it natively; float32 on CPUs that would only emulate it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)} or auto") from None
 
 
 def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -41,9 +70,8 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: Transformer, min_rows: int = 3) -> Transformer:
     """Give every linear layer of the model (attention, MLP, output head) a prepacked copy of its weight."""
-    for layer in model.layers:
-        for module, name in [(layer.attention, "wqkv"), (layer.attention, "wo"),
-                             (layer.feed_forward, "w_gate_up"), (layer.feed_forward, "w_down")]:
-            setattr(module, name, PackedLinear(getattr(module, name), min_rows))
-    model.output = PackedLinear(model.output, min_rows)
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if type(child) is nn.Linear:
+                setattr(module, name, PackedLinear(child, min_rows))
     return model

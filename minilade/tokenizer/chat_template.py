@@ -20,9 +20,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-
-class ChatTemplateError(ValueError):
-    """A chat template failed to compile or render (syntax error, `raise_exception`, bad message shape)."""
+from ..errors import ChatTemplateError, one_line
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -53,10 +51,6 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _one_line(error: Exception) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
-
-
 class ChatTemplate:
     """One chat template, compiled on first use (a template that never renders never costs, nor fails, anything)."""
 
@@ -74,7 +68,7 @@ class ChatTemplate:
         try:
             return env.from_string(self.source)
         except jinja2.TemplateError as error:
-            raise ChatTemplateError(f"chat template does not compile: {_one_line(error)}") from error
+            raise ChatTemplateError(f"chat template does not compile: {one_line(error)}") from error
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
                special_tokens: Mapping[str, str]) -> str:
@@ -87,4 +81,4 @@ class ChatTemplate:
             )
         except (jinja2.TemplateError, TypeError, ValueError) as error:
             # TypeError/ValueError: the template did arithmetic on a value of the wrong shape, e.g. None + str.
-            raise ChatTemplateError(f"chat template failed: {_one_line(error)}") from error
+            raise ChatTemplateError(f"chat template failed: {one_line(error)}") from error

@@ -19,7 +19,7 @@ from typing import Any
 import huggingface_hub
 from tqdm.auto import tqdm
 
-from minilade.weights.errors import CheckpointError, one_line
+from ..errors import CheckpointError, one_line
 
 _CHUNK = 1 << 20
 

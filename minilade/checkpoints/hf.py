@@ -11,8 +11,13 @@ from typing import Any, Iterable, Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
-from minilade.config import ModelConfig, UnsupportedModelError
-from minilade.weights.errors import CheckpointError, UnsupportedCheckpointError, one_line
+from ..config import ModelConfig
+from ..errors import (
+    CheckpointError,
+    UnsupportedCheckpointError,
+    UnsupportedModelError,
+    one_line,
+)
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -61,7 +66,7 @@ def open_safetensors_folder(folder: Path) -> tuple[ModelConfig, SafetensorsTenso
 
 def read_hf_config(path: Path) -> ModelConfig:
     """ModelConfig from a config.json; unsupported models raise UnsupportedCheckpointError naming the file."""
-    raw = _read_json(path)
+    raw = read_json_object(path)
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method", "unknown")
         raise UnsupportedCheckpointError(
@@ -81,7 +86,7 @@ def _weight_files(folder: Path) -> list[Path]:
     index_path = folder / INDEX_FILE
     if not index_path.is_file():
         return [folder / SINGLE_FILE]
-    weight_map = _read_json(index_path).get("weight_map")
+    weight_map = read_json_object(index_path).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index_path}: no weight_map")
     files = [folder / name for name in sorted(set(weight_map.values()))]
@@ -101,10 +106,14 @@ def _open(file: Path) -> Any:
         ) from exc
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path, *, optional: bool = False) -> dict[str, Any]:
+    """The JSON object in `path`. A missing file is an error, or {} when optional (a checkpoint's side files);
+    a file that is not a JSON object is always a CheckpointError naming it."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        if optional:
+            return {}
         raise CheckpointError(f"{path} is missing") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path} is not valid JSON: {one_line(exc)}") from exc

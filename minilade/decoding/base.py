@@ -1,7 +1,7 @@
 """Decoding strategies behind one interface.
 
 A strategy (a small frozen settings object, chosen by the user) makes a Decoder for each generation. The decoder
-owns the position in the KV cache and emits tokens; the generation loop in engine.py owns everything else
+owns the position in the KV cache and emits tokens; the generation loop in loop.py owns everything else
 (budget, stop rules, streaming, statistics) and is written once for all strategies.
 """
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import KVCache
-from .model import Transformer
-from .sampling import Sampler
+from ..kv_cache import KVCache
+from ..model import Transformer
+from ..sampling import Sampler
 
 
 @dataclass
@@ -72,11 +72,6 @@ class Decoder(ABC):
         return self._emit([int(ctx.sampler.pick(logits[0, -1]))])
 
 
-class AutoregressiveDecoder(Decoder):
-    def step(self) -> list[int]:
-        return self._single_step()
-
-
 class Strategy(ABC):
     """User-facing settings of a decoding strategy; validated on construction."""
 
@@ -88,11 +83,3 @@ class Strategy(ABC):
     def max_step_tokens(self) -> int:
         """Most tokens one step puts through the model (the KV cache keeps this much room past the budget)."""
         return 1
-
-
-@dataclass(frozen=True)
-class Autoregressive(Strategy):
-    name = "autoregressive"
-
-    def make_decoder(self, ctx: DecodeContext) -> Decoder:
-        return AutoregressiveDecoder(ctx)

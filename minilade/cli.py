@@ -1,0 +1,136 @@
+"""Command line: python -m minilade.generate [PROMPT] [options]
+
+Streams the generated text to stdout and a one-line statistics summary to stderr. The prompt comes from the
+argument or from stdin; --interactive starts a chat. Errors are one line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from .checkpoints import DEFAULT_CHECKPOINT, default_weights_dir
+from .errors import CheckpointError, TokenizerError, UnsupportedModelError
+from .llm import LLM, Generation, make_strategy
+from .sampling import SamplingParams
+
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minilade.generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted)")
+    p.add_argument("--ckpt", default=DEFAULT_CHECKPOINT,
+                   help=f"a .gguf file, a folder with config.json + safetensors, a Hugging Face repo id "
+                        f"(owner/name[@revision]), or {DEFAULT_CHECKPOINT} (default; downloaded on first use)")
+    p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template to the prompt")
+    p.add_argument("--system", help="system message for --chat and --interactive")
+    p.add_argument("--interactive", "-i", action="store_true", help="chat turn by turn on the terminal")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not included in the output")
+    g = p.add_argument_group("sampling (temperature 0 = greedy)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--seed", type=int, default=None)
+    s = p.add_argument_group("decoding strategy")
+    s.add_argument("--strategy", choices=["autoregressive", "lookahead", "auto"], default="autoregressive",
+                   help="auto: lookahead shaped step by step from the measured cost of a step on this machine "
+                        "(W, N, G then bound the largest step); plain decoding where lookahead does not pay")
+    s.add_argument("--window", "-W", type=int, default=5, help="lookahead window W (columns)")
+    s.add_argument("--ngram", "-N", type=int, default=4, help="lookahead n-gram size N")
+    s.add_argument("--guesses", "-G", type=int, default=5, help="lookahead candidates verified per step G")
+    s.add_argument("--no-prompt-pool", action="store_true", help="do not seed the n-gram pool from the prompt")
+    d = p.add_argument_group("hardware")
+    d.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (CUDA only)")
+    d.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, statistics)")
+    return p
+
+
+def strategy_from_args(args: argparse.Namespace):
+    if args.strategy == "lookahead":
+        return make_strategy("lookahead", window=args.window, ngram=args.ngram, guesses=args.guesses,
+                             pool_from_prompt=not args.no_prompt_pool)
+    if args.strategy == "auto":  # step costs are measured once per machine and kept beside the weights
+        return make_strategy("auto", window=args.window, ngram=args.ngram, guesses=args.guesses,
+                             cost_file=str(default_weights_dir() / "step_costs.json"))
+    return make_strategy(args.strategy)
+
+
+def generation_options(args: argparse.Namespace) -> dict:
+    """The options of LLM.stream, checked before any weights are loaded."""
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, seed=args.seed, stop=args.stop, strategy=strategy_from_args(args))
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if sys.stdin.isatty():
+        raise ValueError("no prompt: pass it as an argument, pipe it on stdin, or use --interactive")
+    return sys.stdin.read()
+
+
+def stream_to_stdout(stream) -> Generation:
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    return stream.result
+
+
+def run_once(llm: LLM, args: argparse.Namespace, options: dict) -> None:
+    stream = llm.stream(read_prompt(args), chat=args.chat, system=args.system, **options)
+    if args.json:
+        for _ in stream:
+            pass
+        print(json.dumps(stream.result.as_dict(), ensure_ascii=False))
+        return
+    result = stream_to_stdout(stream)
+    print(flush=True)
+    print(result.stats.summary() + f", finish: {result.finish_reason}", file=sys.stderr)
+
+
+def run_interactive(llm: LLM, args: argparse.Namespace, options: dict) -> None:
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("minilade chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        result = stream_to_stdout(llm.stream(messages, **options))
+        print(flush=True)
+        print(result.stats.summary(), file=sys.stderr)
+        messages.append({"role": "assistant", "content": result.text})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        options = generation_options(args)
+        llm = LLM.load(args.ckpt, dtype=args.dtype, device=args.device)
+        if args.interactive:
+            run_interactive(llm, args, options)
+        else:
+            run_once(llm, args, options)
+    except (ValueError, CheckpointError, TokenizerError, UnsupportedModelError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

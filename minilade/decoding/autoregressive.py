@@ -1,0 +1,20 @@
+"""Plain autoregressive decoding: one token in, one token out per forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import DecodeContext, Decoder, Strategy
+
+
+@dataclass(frozen=True)
+class Autoregressive(Strategy):
+    name = "autoregressive"
+
+    def make_decoder(self, ctx: DecodeContext) -> Decoder:
+        return AutoregressiveDecoder(ctx)
+
+
+class AutoregressiveDecoder(Decoder):
+    def step(self) -> list[int]:
+        return self._single_step()

@@ -1,0 +1,112 @@
+"""What a forward pass costs on this machine as a function of the tokens it feeds: measured, interpolated, kept."""
+
+from __future__ import annotations
+
+import json
+import time
+import weakref
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from ..model import Transformer
+
+
+def measure_step_costs(model: Transformer, sizes: Iterable[int], *, context: int = 256, repeats: int = 3
+                       ) -> dict[int, float]:
+    """Median seconds of one forward pass of T tokens (all rows projected to the vocabulary) after `context`
+    committed tokens, for each T in sizes. Sizes are measured round-robin, after one warm-up pass each."""
+    sizes = sorted(set(sizes))
+    context = min(context, model.config.max_seq_len - max(sizes) - 1)
+    gen = torch.Generator().manual_seed(0)
+    cache = model.new_cache(context + max(sizes))
+    device = model.device
+    samples: dict[int, list[float]] = {T: [] for T in sizes}
+    with torch.inference_mode():
+        if context > 0:
+            model(torch.randint(model.config.vocab_size, (1, context), generator=gen).to(device),
+                  torch.arange(context, device=device), cache, logits_rows=torch.zeros(1, dtype=torch.long,
+                                                                                        device=device))
+            cache.commit(context)
+        for rep in range(repeats + 1):
+            for T in sizes:
+                tokens = torch.randint(model.config.vocab_size, (1, T), generator=gen).to(device)
+                mask = torch.ones(T, T, dtype=torch.bool, device=device).tril_()
+                start = time.perf_counter()
+                model(tokens, torch.arange(context, context + T, device=device), cache, mask)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if rep:  # the first round is warm-up
+                    samples[T].append(time.perf_counter() - start)
+    return {T: sorted(s)[len(s) // 2] for T, s in samples.items()}
+
+
+class StepCosts:
+    """Seconds per forward pass as a function of the tokens it feeds, interpolated between measured sizes."""
+
+    def __init__(self, seconds: dict[int, float]) -> None:
+        self.sizes = sorted(seconds)
+        self.seconds = [seconds[T] for T in self.sizes]
+        self._memo: dict[int, float] = {}
+
+    def __call__(self, tokens: int) -> float:
+        if tokens not in self._memo:
+            self._memo[tokens] = self._interpolate(tokens)
+        return self._memo[tokens]
+
+    def _interpolate(self, tokens: int) -> float:
+        sizes, secs = self.sizes, self.seconds
+        if tokens <= sizes[0]:
+            return secs[0]
+        for (t0, s0), (t1, s1) in zip(zip(sizes, secs), zip(sizes[1:], secs[1:])):
+            if tokens <= t1:
+                return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
+        return secs[-1] * tokens / sizes[-1]  # beyond the largest size: proportional
+
+    def relative(self, tokens: int) -> float:
+        return self(tokens) / self(1)
+
+
+_MEASURED: "weakref.WeakKeyDictionary[Transformer, dict[int, float]]" = weakref.WeakKeyDictionary()
+
+
+def step_costs_for(model: Transformer, sizes: Sequence[int], cost_file: str | Path | None = None) -> StepCosts:
+    """Step costs for this model, measured once per process (and per file, when one is given)."""
+    known = _MEASURED.setdefault(model, {})
+    key = cost_key(model)
+    if cost_file is not None and not set(sizes) <= set(known):
+        known.update(_read_costs(Path(cost_file)).get(key, {}))
+    missing = [T for T in sizes if T not in known]
+    if missing:
+        known.update(measure_step_costs(model, sorted(set(missing) | {1})))
+        if cost_file is not None:
+            _write_costs(Path(cost_file), key, known)
+    return StepCosts({T: known[T] for T in set(sizes) | {1}})
+
+
+def cost_key(model: Transformer) -> str:
+    """What the cost of a step depends on: the model's shape, dtype, device and the torch build."""
+    c = model.config
+    device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
+    return (f"L{c.n_layers}-d{c.dim}-h{c.n_heads}/{c.n_kv_heads}-ff{c.intermediate_size}-v{c.vocab_size}|"
+            f"{model.dtype}|{device}|threads {torch.get_num_threads()}|torch {torch.__version__}")
+
+
+def _read_costs(path: Path) -> dict[str, dict[int, float]]:
+    try:
+        raw = json.loads(path.read_text())
+        return {k: {int(t): float(s) for t, s in v.items()} for k, v in raw.items()}
+    except (OSError, ValueError, AttributeError):
+        return {}  # no file yet, or an unreadable one: measure again
+
+
+def _write_costs(path: Path, key: str, seconds: dict[int, float]) -> None:
+    table = _read_costs(path)
+    table[key] = seconds
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        pass  # a cache that cannot be written only costs a new measurement next time
