@@ -1,0 +1,122 @@
+"""minilade/tokenizer/gguf.py: tokenizers rebuilt from GGUF metadata, against transformers (real SmolLM2 GGUF),
+`sentencepiece` (a tiny model written as a GGUF the way llama.cpp writes one) and tiny byte-level vocabularies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import tokenizers
+from tokenizers import pre_tokenizers
+
+import minilade
+from minilade.tokenizer import Tokenizer
+
+from .conftest import (
+    SMOLLM2_TEXTS,
+    assert_one_line_error,
+    byte_level_gguf,
+    spm_texts,
+    write_gguf,
+)
+
+PACKAGE_DIR = Path(minilade.__file__).parent
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real SmolLM2 GGUF ('gpt2' vocabulary, 'smollm' pre-tokenizer) against transformers
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_smollm2_metadata(smollm2: Tokenizer) -> None:
+    assert smollm2.vocab_size == 49152
+    assert (smollm2.bos_id, smollm2.eos_ids, smollm2.add_bos) == (1, (2,), False)
+    assert "<|im_start|>" in smollm2.chat_template
+
+
+@pytest.mark.parametrize("text", SMOLLM2_TEXTS)
+def test_smollm2_encode_matches_transformers(smollm2: Tokenizer, hf_smollm2, text: str) -> None:
+    assert smollm2.encode(text) == hf_smollm2.encode(text)
+
+
+def test_smollm2_encodes_real_files_like_transformers(smollm2: Tokenizer, hf_smollm2) -> None:
+    for path in (PACKAGE_DIR / "config.py", PACKAGE_DIR / "tokenizer" / "chat_template.py"):
+        text = path.read_text(encoding="utf-8")
+        assert smollm2.encode(text) == hf_smollm2.encode(text), path.name
+
+
+def test_smollm2_splits_every_numeral(smollm2: Tokenizer, hf_smollm2) -> None:
+    """'smollm' puts every \\p{N} character in a word of its own (SmolLM2's tokenizer.json: Digits(individual) then
+    ByteLevel; llama.cpp: a '\\p{N}' split). transformers' GGUF loader ignores 'smollm' and uses plain GPT-2 splitting,
+    which agrees on ASCII digits (the vocabulary has no multi-digit or 'Ġ1' tokens) but not on other numerals, so the
+    reference here is transformers' vocabulary with the published pre-tokenizer."""
+    reference = tokenizers.Tokenizer.from_str(hf_smollm2.backend_tokenizer.to_str())
+    reference.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    for text in ["½ ² ³ ① Ⅻ ٣٤٥ १२३", "x² + y² = z²", "route 66 and ¼ mile", "Ⅷ. chapter"] + SMOLLM2_TEXTS:
+        assert smollm2.encode(text) == reference.encode(text, add_special_tokens=False).ids, text
+    assert smollm2.encode(" ²") == [hf_smollm2.convert_tokens_to_ids("Ġ"), hf_smollm2.convert_tokens_to_ids("Â²")]
+
+
+@pytest.mark.parametrize("text", SMOLLM2_TEXTS)
+def test_smollm2_decode_round_trips(smollm2: Tokenizer, hf_smollm2, text: str) -> None:
+    ids = smollm2.encode(text)
+    assert smollm2.decode(ids) == text == hf_smollm2.decode(ids)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 'llama' vocabulary: SentencePiece BPE rebuilt from the scores
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_sentencepiece_gguf_matches_sentencepiece(spm) -> None:
+    """tokenizer.ggml.model='llama': BPE merges rebuilt from the scores, '▁' spaces and dummy prefix, byte
+    fallback for characters outside the vocabulary."""
+    _, gguf_path, processor = spm
+    tokenizer = Tokenizer.from_checkpoint(gguf_path)
+    assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_ids, tokenizer.add_bos) == (450, 1, (2,), True)
+    byte_fallbacks = 0
+    for text in spm_texts():
+        ids = tokenizer.encode(text, add_bos=False)
+        assert ids == processor.encode(text), text
+        assert tokenizer.decode(ids) == processor.decode(ids) == text
+        byte_fallbacks += sum(processor.is_byte(i) for i in ids)
+    assert byte_fallbacks > 10  # the texts do exercise byte fallback
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Byte-level pre-tokenizers and metadata flags on a tiny vocabulary
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_byte_level_pre_tokenizers(tmp_path: Path) -> None:
+    """GPT-2 splits '12345' as one word, so the merge '3 4' applies; Llama 3 splits digits in threes ('123',
+    '45') and takes a word that is a token whole, without merges (ignore_merges); SmolLM splits digits one by
+    one. Llama 3 files also default to adding BOS."""
+    merges = ["3 4", "1 2"]
+    pieces = {}
+    for pre in ("gpt-2", "llama-bpe", "smollm"):
+        path = byte_level_gguf(tmp_path / f"{pre}.gguf", pre, merges, extra=("123",))
+        tokenizer = Tokenizer.from_checkpoint(path)
+        ids = tokenizer.encode("12345<|begin_of_text|>", add_bos=False)
+        pieces[pre] = ([tokenizer.decode([i]) for i in ids], tokenizer.add_bos)
+    assert pieces["gpt-2"] == (["12", "34", "5", "<|begin_of_text|>"], False)
+    assert pieces["llama-bpe"] == (["123", "4", "5", "<|begin_of_text|>"], True)
+    assert pieces["smollm"] == (["1", "2", "3", "4", "5", "<|begin_of_text|>"], False)
+
+
+def test_gguf_end_of_generation_ids_and_flags(tmp_path: Path) -> None:
+    """eos, eot and eom ids all end generation; an explicit add_bos_token beats the pre-tokenizer's default."""
+    path = byte_level_gguf(tmp_path / "flags.gguf", "llama-bpe", ["1 2"], eot_token_id=7, eom_token_id=3,
+                           add_bos_token=False, chat_template="{{ messages[0]['content'] }}!")
+    tokenizer = Tokenizer.from_checkpoint(path)
+    assert (tokenizer.eos_ids, tokenizer.bos_id, tokenizer.add_bos) == ((3, 7, 257), 257, False)
+    assert tokenizer.render_chat([{"role": "user", "content": "hi"}]) == "hi!"
+
+
+def test_gguf_errors_are_one_line(tmp_path: Path) -> None:
+    bert = write_gguf(tmp_path / "bert.gguf", 3, tokenizer_model="bert", token_list=["a", "b", "c"])
+    assert_one_line_error(lambda: Tokenizer.from_checkpoint(bert), "unsupported GGUF tokenizer model 'bert'")
+    qwen = byte_level_gguf(tmp_path / "qwen.gguf", "qwen2", ["1 2"])
+    assert_one_line_error(lambda: Tokenizer.from_checkpoint(qwen), "unsupported GGUF pre-tokenizer 'qwen2'")
+    no_vocab = write_gguf(tmp_path / "no_vocab.gguf", 3)
+    assert_one_line_error(lambda: Tokenizer.from_checkpoint(no_vocab), "no tokenizer vocabulary")
