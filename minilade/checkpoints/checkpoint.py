@@ -1,7 +1,8 @@
 """One checkpoint, whatever its format: a ModelConfig plus a stream of tensors under the canonical names.
 
 The canonical state dict is LlamaForCausalLM's: Hugging Face names, (out_features, in_features) orientation and
-the rotate-half rotary layout. `expected_tensor_shapes` is the contract between the loaders and the model.
+the rotate-half rotary layout. `expected_tensor_shapes` (names.py) is the contract between the loaders and the
+model; `build_model` turns canonical tensors into a Transformer.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ..errors import CheckpointError
 from ..model import Transformer
 from .gguf import open_gguf
 from .hf import open_safetensors_folder
-from .names import hf_to_minilade_state_dict
+from .names import expected_tensor_shapes, model_state_dict
 from .resolve import resolve_checkpoint
 
 
@@ -32,36 +33,6 @@ class TensorSource(Protocol):
 
     def load(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the named tensors one at a time, converted to the canonical layout."""
-
-
-def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical tensor name -> shape for a LLaMA model with this config (lm_head.weight absent when tied)."""
-    dim, inter = config.dim, config.intermediate_size
-    q_dim = config.n_heads * config.head_dim
-    kv_dim = config.n_kv_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, dim)}
-    for i in range(config.n_layers):
-        layer = f"model.layers.{i}"
-        linears = {  # name -> (out_features, in_features)
-            "self_attn.q_proj": (q_dim, dim),
-            "self_attn.k_proj": (kv_dim, dim),
-            "self_attn.v_proj": (kv_dim, dim),
-            "self_attn.o_proj": (dim, q_dim),
-            "mlp.gate_proj": (inter, dim),
-            "mlp.up_proj": (inter, dim),
-            "mlp.down_proj": (dim, inter),
-        }
-        shapes[f"{layer}.input_layernorm.weight"] = (dim,)
-        shapes[f"{layer}.post_attention_layernorm.weight"] = (dim,)
-        for name, (out_features, in_features) in linears.items():
-            shapes[f"{layer}.{name}.weight"] = (out_features, in_features)
-            has_bias = config.attention_bias if name.startswith("self_attn") else config.mlp_bias
-            if has_bias:
-                shapes[f"{layer}.{name}.bias"] = (out_features,)
-    shapes["model.norm.weight"] = (dim,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, dim)
-    return shapes
 
 
 @dataclass(frozen=True)
@@ -93,6 +64,10 @@ class Checkpoint:
         self.validate()
         return self.source.load(list(expected_tensor_shapes(self.config)))
 
+    def load_model(self, *, dtype: torch.dtype, device: torch.device | str) -> Transformer:
+        """The model with this checkpoint's weights, in `dtype` on `device` (see build_model)."""
+        return build_model(self.config, self.tensors(), dtype=dtype, device=device)
+
     def _label(self, name: str) -> str:
         stored = self.source.stored_name(name)
         return name if stored == name else f"{name} ({stored} in the file)"
@@ -123,7 +98,7 @@ def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]]
     so no random weights are ever allocated and the weights exist in memory once."""
     with torch.device("meta"):
         model = Transformer(config)
-    state = hf_to_minilade_state_dict(tensors, config, dtype=dtype, device=device)
+    state = model_state_dict(tensors, config, dtype=dtype, device=device)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "output.weight")]
     if missing or unexpected:

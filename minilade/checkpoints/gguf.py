@@ -11,23 +11,23 @@ Facts this module relies on (gguf-py's gguf_reader.py and quants.py, llama.cpp's
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Collection, Iterable, Iterator
 
 import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from ..config import ModelConfig
+from ..config import ModelConfig, RopeScaling
 from ..errors import (
     CheckpointError,
     UnsupportedCheckpointError,
     UnsupportedModelError,
     one_line,
 )
+from .names import canonical_name, checkpoint_tensors, gguf_name, layout_flags
 
 # Stored as plain floats: kept in their own dtype (F32 and F16 bit for bit; BF16 reinterpreted).
 FLOAT_TYPES: dict[QType, torch.dtype] = {
@@ -35,33 +35,14 @@ FLOAT_TYPES: dict[QType, torch.dtype] = {
     QType.F16: torch.float16,
     QType.BF16: torch.bfloat16,
 }
-# Block-quantised types dequantised to float32 with gguf.quants; each is checked by tests/test_weights.py.
+# Block-quantised types dequantised to float32 with gguf.quants; each is checked by tests/checkpoints/test_gguf.py.
 QUANTISED_TYPES: frozenset[QType] = frozenset({
     QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0,
     QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
 })
 
-# GGUF name -> canonical (Hugging Face) name, for tensors outside the blocks and inside block N ("blk.N.<key>").
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_CANONICAL_BLOCK_NAME = re.compile(r"model\.layers\.(\d+)\.([\w.]+)\.(weight|bias)")
 ROPE_FREQS = "rope_freqs.weight"
-# Metadata ModelConfig.from_gguf_metadata cannot default.
+# Metadata keys (after "llama.") that have no default.
 _REQUIRED_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
 
 
@@ -84,30 +65,6 @@ def open_gguf_reader(path: Path) -> gguf.GGUFReader:
         # GGUFReader reads past the end of a short memmap as empty arrays and fails later in numpy:
         # indexing, reshape or enum conversion errors all mean the file is not a complete GGUF file.
         raise CheckpointError(f"{path} is not a valid GGUF file (truncated or corrupt): {one_line(exc)}") from exc
-
-
-def canonical_name(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor name, or None for tensors minilade does not load."""
-    stem, _, suffix = name.rpartition(".")
-    if stem in _GLOBAL_NAMES and suffix in ("weight", "bias"):
-        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
-    match = _GGUF_BLOCK_NAME.fullmatch(name)
-    if match and match[2] in _BLOCK_NAMES:
-        return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.{match[3]}"
-    return None
-
-
-def gguf_name(name: str) -> str:
-    """The GGUF name of a canonical tensor name (the inverse of canonical_name), for error messages."""
-    stem, _, suffix = name.rpartition(".")
-    for gguf_stem, hf_stem in _GLOBAL_NAMES.items():
-        if stem == hf_stem:
-            return f"{gguf_stem}.{suffix}"
-    match = _CANONICAL_BLOCK_NAME.fullmatch(name)
-    for gguf_key, hf_key in _BLOCK_NAMES.items():
-        if match and match[2] == hf_key:
-            return f"blk.{match[1]}.{gguf_key}.{match[3]}"
-    return name
 
 
 def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -162,12 +119,12 @@ class GGUFTensors:
 
     def load(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, tensor) one at a time, dequantised and in HF rotary layout."""
+        table = checkpoint_tensors(self.config)
         for name in names:
             tensor = to_torch(self.by_name[name], self.path)
-            if ".self_attn.q_proj." in name:
-                tensor = unpermute_rotary(tensor, self.config.n_heads)
-            elif ".self_attn.k_proj." in name:
-                tensor = unpermute_rotary(tensor, self.config.n_kv_heads)
+            heads = table[name].module.rotary_heads
+            if heads is not None:
+                tensor = unpermute_rotary(tensor, getattr(self.config, heads))
             yield name, tensor
 
 
@@ -177,30 +134,57 @@ def open_gguf(path: Path) -> GGUFTensors:
     reader = open_gguf_reader(path)
     metadata = _metadata(reader)
     by_name = {hf: t for t in reader.tensors if (hf := canonical_name(t.name)) is not None}
-    config = _config(metadata, reader, path, by_name)
+    config = _config(metadata, reader, path, by_name.keys())
     for tensor in by_name.values():
         if tensor.tensor_type not in FLOAT_TYPES and tensor.tensor_type not in QUANTISED_TYPES:
             raise _unsupported_type(tensor, path)
     return GGUFTensors(path=path, config=config, by_name=by_name, metadata=metadata)
 
 
-def _config(meta: dict[str, Any], reader: gguf.GGUFReader, path: Path, by_name: dict[str, Any]) -> ModelConfig:
-    """ModelConfig from the metadata, completed with what only the tensor list tells: tied head, biases, and
-    llama.cpp's per-frequency rope factors."""
-    arch = meta.get("general.architecture")
-    if arch == "llama":
-        missing = [f"llama.{key}" for key in _REQUIRED_KEYS if f"llama.{key}" not in meta]
-        if missing:
-            raise CheckpointError(f"{path}: GGUF metadata lacks {', '.join(missing)}")
+def _config(meta: dict[str, Any], reader: gguf.GGUFReader, path: Path, names: Collection[str]) -> ModelConfig:
+    """ModelConfig from the metadata, plus what only the tensors tell: the canonical `names` (tied head, biases)
+    and llama.cpp's per-frequency rope factors. Raises UnsupportedCheckpointError for a model minilade cannot
+    run, CheckpointError for missing metadata."""
+    _check_metadata(meta, path)
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"llama.{name}", default)
+
+    n_heads, dim = key("attention.head_count"), key("embedding_length")
+    head_dim = key("attention.key_length") or key("rope.dimension_count") or dim // n_heads
+    linear = key("rope.scaling.type") == "linear"
+    eos = meta.get("tokenizer.ggml.eos_token_id")
     try:
-        config = ModelConfig.from_gguf_metadata(meta, tied="lm_head.weight" not in by_name)
+        return ModelConfig(
+            vocab_size=key("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ())),
+            dim=dim,
+            n_layers=key("block_count"),
+            n_heads=n_heads,
+            n_kv_heads=key("attention.head_count_kv") or n_heads,
+            intermediate_size=key("feed_forward_length"),
+            head_dim=head_dim,
+            norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=RopeScaling("linear", float(key("rope.scaling.factor", 1.0))) if linear else RopeScaling(),
+            rope_freq_factors=_rope_freq_factors(reader, path, head_dim),
+            max_seq_len=key("context_length", 2048),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),),
+            **layout_flags(names),
+        )
     except UnsupportedModelError as exc:
         raise UnsupportedCheckpointError(f"{path}: {exc}") from exc
-    return config.replace(
-        attention_bias="model.layers.0.self_attn.q_proj.bias" in by_name,
-        mlp_bias="model.layers.0.mlp.up_proj.bias" in by_name,
-        rope_freq_factors=_rope_freq_factors(reader, path, config.head_dim),
-    )
+
+
+def _check_metadata(meta: dict[str, Any], path: Path) -> None:
+    """Raise unless the file describes a llama model and states every metadata key that has no default."""
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise UnsupportedCheckpointError(
+            f"{path}: unsupported GGUF architecture {arch!r}; minilade runs 'llama' GGUF files")
+    missing = [f"llama.{key}" for key in _REQUIRED_KEYS if f"llama.{key}" not in meta]
+    if missing:
+        raise CheckpointError(f"{path}: GGUF metadata lacks {', '.join(missing)}")
 
 
 def _rope_freq_factors(reader: gguf.GGUFReader, path: Path, head_dim: int) -> tuple[float, ...] | None:

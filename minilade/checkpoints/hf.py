@@ -1,17 +1,20 @@
 """Hugging Face checkpoint folders: config.json plus model.safetensors, or shards listed in
-model.safetensors.index.json. Tensor names are already the canonical ones; nothing is renamed or permuted."""
+model.safetensors.index.json. Tensor names are already the canonical ones; nothing is renamed or permuted.
+
+config.json is read here into a ModelConfig (LLaMA-style model types only).
+"""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..config import ModelConfig
+from ..config import ModelConfig, RopeScaling
 from ..errors import (
     CheckpointError,
     UnsupportedCheckpointError,
@@ -22,6 +25,8 @@ from ..errors import (
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# model_type values whose checkpoints follow the LLaMA layout exactly (RMSNorm, RoPE, GQA, SwiGLU).
+LLAMA_LIKE_MODEL_TYPES = ("llama", "mistral")
 
 
 def has_safetensors(folder: Path) -> bool:
@@ -74,11 +79,85 @@ def read_hf_config(path: Path) -> ModelConfig:
             f"unquantised checkpoint"
         )
     try:
-        return ModelConfig.from_hf_config(raw)
+        return config_from_hf(raw)
     except UnsupportedModelError as exc:
         raise UnsupportedCheckpointError(f"{path}: {exc}") from exc
     except KeyError as exc:
         raise CheckpointError(f"{path}: missing required key {exc}") from exc
+
+
+def config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
+    """ModelConfig from the dict of a Hugging Face config.json. Raises UnsupportedModelError for a model that is
+    not LLaMA-style, KeyError for a missing required key."""
+    _check_llama_like(cfg)
+    n_heads = cfg["num_attention_heads"]
+    theta, scaling = _rope_from_hf(cfg)
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"],
+        dim=cfg["hidden_size"],
+        n_layers=cfg["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+        intermediate_size=cfg["intermediate_size"],
+        head_dim=cfg.get("head_dim") or 0,
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
+    )
+
+
+def _check_llama_like(cfg: Mapping[str, Any]) -> None:
+    """Raise UnsupportedModelError unless the config describes a model the LLaMA code runs exactly."""
+    model_type = cfg.get("model_type")
+    if model_type not in LLAMA_LIKE_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported architecture {model_type!r} (architectures={cfg.get('architectures')}); "
+            f"minilade runs LLaMA-style models: {', '.join(LLAMA_LIKE_MODEL_TYPES)}"
+        )
+    if cfg.get("sliding_window") not in (None, 0) and model_type == "mistral":
+        if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
+            raise UnsupportedModelError(f"sliding-window attention ({cfg['sliding_window']}) is not supported")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"unsupported activation {act!r}; LLaMA-style models use 'silu'")
+
+
+def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling]:
+    """Read rope_theta and scaling from either the classic (rope_theta + rope_scaling) or the newer
+    rope_parameters form of config.json."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    merged = {**scaling, **params}
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind == "default":
+        return theta, RopeScaling()
+    if kind == "linear":
+        return theta, RopeScaling(kind="linear", factor=float(merged["factor"]))
+    if kind == "llama3":
+        return theta, RopeScaling(
+            kind="llama3",
+            factor=float(merged["factor"]),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+        )
+    raise UnsupportedModelError(f"unsupported rope scaling type {kind!r}; minilade supports linear and llama3")
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    """config.json's eos_token_id: absent, one id, or a list of ids."""
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
 
 
 def _weight_files(folder: Path) -> list[Path]:

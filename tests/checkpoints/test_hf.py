@@ -1,0 +1,183 @@
+"""Hugging Face safetensors folders and config.json (minilade.checkpoints.hf), against transformers'
+save_pretrained output."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaForCausalLM
+
+from minilade.checkpoints import (
+    CheckpointError,
+    UnsupportedCheckpointError,
+    open_checkpoint,
+)
+from minilade.checkpoints.hf import config_from_hf, read_hf_config
+from minilade.config import RopeScaling
+from minilade.errors import UnsupportedModelError
+
+TinyLlama = Callable[..., LlamaForCausalLM]
+StateOf = Callable[[LlamaForCausalLM], dict[str, torch.Tensor]]
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_safetensors_equal_transformers_state_dict(tmp_path: Path, tiny_name: str, sharded: bool,
+                                                   tiny_llama: TinyLlama, canonical_state: StateOf) -> None:
+    model = tiny_llama(tiny_name)
+    model.save_pretrained(tmp_path, max_shard_size="40KB" if sharded else "1GB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() == sharded
+    if sharded:
+        assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+
+    checkpoint = open_checkpoint(tmp_path, progress=False)
+    ours = dict(checkpoint.tensors())
+    reference = canonical_state(model)
+    assert ours.keys() == reference.keys()
+    for key, tensor in reference.items():
+        assert ours[key].dtype == tensor.dtype
+        assert torch.equal(ours[key], tensor), key
+
+    config, hf = checkpoint.config, model.config
+    assert checkpoint.format == "safetensors" and checkpoint.path == tmp_path
+    assert (config.vocab_size, config.dim, config.n_layers, config.intermediate_size) == (64, 64, 2, 96)
+    assert (config.n_heads, config.n_kv_heads, config.head_dim) == (
+        hf.num_attention_heads, hf.num_key_value_heads, model.model.layers[0].self_attn.head_dim)
+    assert config.tie_word_embeddings == hf.tie_word_embeddings
+    assert (config.attention_bias, config.mlp_bias) == (hf.attention_bias, hf.mlp_bias)
+    assert (config.rope_theta, config.norm_eps) == (10000.0, 1e-5)
+
+
+def test_safetensors_keep_stored_dtype_and_ignore_extra_tensors(
+        tmp_path: Path, tiny_llama: TinyLlama, canonical_state: StateOf,
+        loaded: Callable[[Path], dict[str, torch.Tensor]]) -> None:
+    model = tiny_llama("gqa-tied").to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    state = canonical_state(model)
+    # An unknown extra tensor (older checkpoints store rotary inv_freq) must be ignored, not yielded.
+    save_file({**state, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)},
+              tmp_path / "model.safetensors")
+    ours = loaded(tmp_path)
+    assert ours.keys() == state.keys()
+    for key, tensor in state.items():
+        assert ours[key].dtype == torch.bfloat16 and torch.equal(ours[key], tensor), key
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# config.json
+# ---------------------------------------------------------------------------------------------------------------
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+MINIMAL = dict(model_type="llama", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+               intermediate_size=64)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_theta": 5e5, "rope_scaling": LLAMA3_ROPE},  # transformers 4.x
+    {"rope_parameters": {"rope_theta": 5e5, **LLAMA3_ROPE}},  # transformers 5
+], ids=["rope_scaling", "rope_parameters"])
+def test_config_reads_both_rope_forms(rope: dict[str, Any]) -> None:
+    config = config_from_hf({**MINIMAL, **rope})
+    assert config.rope_theta == 5e5
+    assert config.rope_scaling == RopeScaling(kind="llama3", factor=8.0, low_freq_factor=2.0, high_freq_factor=4.0,
+                                              original_max_position_embeddings=64)
+
+
+def test_config_defaults_and_token_ids() -> None:
+    config = config_from_hf({**MINIMAL, "eos_token_id": [2, 7], "bos_token_id": 1})
+    assert (config.n_kv_heads, config.head_dim, config.norm_eps, config.max_seq_len) == (4, 8, 1e-6, 2048)
+    assert (config.bos_token_id, config.eos_token_ids) == (1, (2, 7))
+    assert config_from_hf({**MINIMAL, "eos_token_id": 2}).eos_token_ids == (2,)
+    assert not (config.tie_word_embeddings or config.attention_bias or config.mlp_bias)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"model_type": "gpt2"}, "unsupported architecture 'gpt2'"),
+    ({"model_type": "mistral", "sliding_window": 64, "max_position_embeddings": 128},
+     "sliding-window attention (64) is not supported"),
+    ({"hidden_act": "gelu"}, "unsupported activation 'gelu'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope scaling type 'yarn'"),
+    ({"num_key_value_heads": 3}, "n_heads=4 is not a multiple of n_kv_heads=3"),
+], ids=["architecture", "sliding-window", "activation", "rope", "heads"])
+def test_config_rejects_models_that_are_not_llama_like(change: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=re.escape(fragment)):
+        config_from_hf({**MINIMAL, **change})
+
+
+def test_config_sliding_window_as_long_as_the_context_is_plain_attention() -> None:
+    config = config_from_hf({**MINIMAL, "model_type": "mistral", "sliding_window": 128,
+                             "max_position_embeddings": 128})
+    assert config.max_seq_len == 128
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors: one clear line naming the file and the problem
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def hf_dir(tmp_path: Path, tiny_llama: TinyLlama) -> Path:
+    tiny_llama("mha-untied").save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_truncated_safetensors(hf_dir: Path, assert_one_line_error: Callable[..., str]) -> None:
+    file = hf_dir / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[:len(data) // 2])
+    assert_one_line_error(lambda: open_checkpoint(hf_dir), str(file), "not a valid safetensors file",
+                          "truncated or corrupt")
+
+
+def test_corrupt_safetensors_header(hf_dir: Path, assert_one_line_error: Callable[..., str]) -> None:
+    file = hf_dir / "model.safetensors"
+    data = bytearray(file.read_bytes())
+    data[8:16] = b"#garbage"  # the JSON header starts at byte 8
+    file.write_bytes(bytes(data))
+    assert_one_line_error(lambda: open_checkpoint(hf_dir), str(file), "truncated or corrupt")
+
+
+def test_missing_shard(tmp_path: Path, tiny_llama: TinyLlama, assert_one_line_error: Callable[..., str]) -> None:
+    tiny_llama("mha-untied").save_pretrained(tmp_path, max_shard_size="40KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    assert_one_line_error(lambda: open_checkpoint(tmp_path), f"lists {shard.name}, which is missing")
+
+
+def test_unsupported_hf_architecture(hf_dir: Path, assert_one_line_error: Callable[..., str]) -> None:
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    message = assert_one_line_error(lambda: open_checkpoint(hf_dir), str(hf_dir / "config.json"), "'gpt2'",
+                                    kind=UnsupportedCheckpointError)
+    assert "unsupported architecture" in message
+    with pytest.raises(UnsupportedModelError):  # also catchable as the config module's error
+        read_hf_config(hf_dir / "config.json")
+
+
+@pytest.mark.parametrize("change, fragment, kind", [
+    ({"hidden_size": None}, "missing required key 'hidden_size'", CheckpointError),
+    ({"quantization_config": {"quant_method": "gptq"}}, "quantised Hugging Face checkpoints (gptq) are not supported",
+     UnsupportedCheckpointError),
+], ids=["missing-key", "quantised"])
+def test_config_json_errors_name_the_file(hf_dir: Path, change: dict[str, Any], fragment: str,
+                                          kind: type[Exception], assert_one_line_error: Callable[..., str]) -> None:
+    path = hf_dir / "config.json"
+    config = {**json.loads(path.read_text()), **change}
+    path.write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    assert_one_line_error(lambda: open_checkpoint(hf_dir), f"{path}: {fragment}", kind=kind)
+
+
+def test_missing_and_misshapen_safetensors_tensors(hf_dir: Path, tiny_llama: TinyLlama, canonical_state: StateOf,
+                                                   assert_one_line_error: Callable[..., str]) -> None:
+    state = canonical_state(tiny_llama("mha-untied"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    save_file({k: v for k, v in state.items() if k != name}, hf_dir / "model.safetensors")
+    assert_one_line_error(lambda: open_checkpoint(hf_dir), str(hf_dir), f"missing tensor {name}")
+
+    save_file({**state, name: torch.zeros(95, 64)}, hf_dir / "model.safetensors")
+    assert_one_line_error(lambda: open_checkpoint(hf_dir), f"tensor {name} has shape (95, 64), expected (96, 64)")
