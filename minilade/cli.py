@@ -12,8 +12,9 @@ import sys
 from typing import Sequence
 
 from .checkpoints import DEFAULT_CHECKPOINT, default_weights_dir
+from .decoding import STRATEGIES, GenerationSettings, make_strategy
 from .errors import CheckpointError, TokenizerError, UnsupportedModelError
-from .llm import LLM, Generation, make_strategy
+from .llm import LLM, Generation, TextStream
 from .sampling import SamplingParams
 
 EXIT_USAGE = 2
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     g.add_argument("--seed", type=int, default=None)
     s = p.add_argument_group("decoding strategy")
-    s.add_argument("--strategy", choices=["autoregressive", "lookahead", "auto"], default="autoregressive",
+    s.add_argument("--strategy", choices=list(STRATEGIES), default="autoregressive",
                    help="auto: lookahead shaped step by step from the measured cost of a step on this machine "
                         "(W, N, G then bound the largest step); plain decoding where lookahead does not pay")
     s.add_argument("--window", "-W", type=int, default=5, help="lookahead window W (columns)")
@@ -51,23 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def strategy_from_args(args: argparse.Namespace):
-    if args.strategy == "lookahead":
-        return make_strategy("lookahead", window=args.window, ngram=args.ngram, guesses=args.guesses,
-                             pool_from_prompt=not args.no_prompt_pool)
-    if args.strategy == "auto":  # step costs are measured once per machine and kept beside the weights
-        return make_strategy("auto", window=args.window, ngram=args.ngram, guesses=args.guesses,
+def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
+    """The generation settings the options ask for, checked before any weights are loaded. Step costs for
+    `auto` are measured once per machine and kept beside the weights."""
+    strategy = make_strategy(args.strategy, window=args.window, ngram=args.ngram, guesses=args.guesses,
+                             pool_from_prompt=not args.no_prompt_pool,
                              cost_file=str(default_weights_dir() / "step_costs.json"))
-    return make_strategy(args.strategy)
-
-
-def generation_options(args: argparse.Namespace) -> dict:
-    """The options of LLM.stream, checked before any weights are loaded."""
-    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, seed=args.seed, stop=args.stop, strategy=strategy_from_args(args))
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    return GenerationSettings(strategy, sampling, args.max_new_tokens, tuple(args.stop))
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -85,8 +77,8 @@ def stream_to_stdout(stream) -> Generation:
     return stream.result
 
 
-def run_once(llm: LLM, args: argparse.Namespace, options: dict) -> None:
-    stream = llm.stream(read_prompt(args), chat=args.chat, system=args.system, **options)
+def run_once(llm: LLM, args: argparse.Namespace, settings: GenerationSettings) -> None:
+    stream = TextStream(llm, llm.encode(read_prompt(args), chat=args.chat, system=args.system), settings)
     if args.json:
         for _ in stream:
             pass
@@ -97,7 +89,7 @@ def run_once(llm: LLM, args: argparse.Namespace, options: dict) -> None:
     print(result.stats.summary() + f", finish: {result.finish_reason}", file=sys.stderr)
 
 
-def run_interactive(llm: LLM, args: argparse.Namespace, options: dict) -> None:
+def run_interactive(llm: LLM, args: argparse.Namespace, settings: GenerationSettings) -> None:
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("minilade chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -108,7 +100,7 @@ def run_interactive(llm: LLM, args: argparse.Namespace, options: dict) -> None:
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
-        result = stream_to_stdout(llm.stream(messages, **options))
+        result = stream_to_stdout(TextStream(llm, llm.encode(messages), settings))
         print(flush=True)
         print(result.stats.summary(), file=sys.stderr)
         messages.append({"role": "assistant", "content": result.text})
@@ -117,12 +109,12 @@ def run_interactive(llm: LLM, args: argparse.Namespace, options: dict) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        options = generation_options(args)
+        settings = settings_from_args(args)
         llm = LLM.load(args.ckpt, dtype=args.dtype, device=args.device)
         if args.interactive:
-            run_interactive(llm, args, options)
+            run_interactive(llm, args, settings)
         else:
-            run_once(llm, args, options)
+            run_once(llm, args, settings)
     except (ValueError, CheckpointError, TokenizerError, UnsupportedModelError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -15,19 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence, Union
+from typing import Any, Iterator, Sequence, Union
 
 import torch
 
 from .checkpoints import DEFAULT_CHECKPOINT, build_model, open_checkpoint
-from .decoding import Auto, Autoregressive, Lookahead, Strategy
-from .decoding.loop import (
-    GenerationStats,
-    TokenRun,
-    cache_capacity,
-    check_prompt,
-    decode_tokens,
-)
+from .decoding import GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens, make_strategy
+from .decoding.loop import cache_for
 from .device import default_device, pack_linears, packing_available, resolve_dtype
 from .kv_cache import KVCache
 from .model import Transformer
@@ -56,7 +50,7 @@ class LLM:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
-        self._cache: KVCache | None = None  # reused across generations
+        self._spare_cache: KVCache | None = None  # reused by the next generation; None while one holds it
 
     @classmethod
     def load(cls, ckpt: str | Path | None = None, *, dtype: str | torch.dtype | None = None,
@@ -64,7 +58,7 @@ class LLM:
         """ckpt: a .gguf file, a folder with config.json and safetensors, a Hugging Face repo id
         (owner/name[@revision]), or None for the demo model (downloaded on first use).
         dtype: float32, bfloat16, float16 (CUDA only) or None for the device's fast default.
-        pack: keep a prepacked copy of the weights for multi-token steps (see packing.py); None: where it pays
+        pack: keep a prepacked copy of the weights for multi-token steps (see device.py); None: where it pays
         (float32 on a CPU with oneDNN), at the cost of a second copy of the weights in memory."""
         device = torch.device(device) if device is not None else default_device()
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -80,18 +74,30 @@ class LLM:
             pack_linears(model)
         return cls(model, tokenizer, str(checkpoint.path))
 
+    def _take_cache(self) -> KVCache | None:
+        cache, self._spare_cache = self._spare_cache, None
+        return cache
+
+    def _give_back_cache(self, cache: KVCache) -> None:
+        self._spare_cache = cache
+
     def encode(self, prompt: Prompt, *, chat: bool = False, system: str | None = None) -> list[int]:
-        """Token ids for a prompt: text (through the chat template when chat is set), chat messages, or ids."""
+        """Token ids for a prompt: text (through the chat template when chat is set), chat messages, or ids
+        (used as they are: chat and system do not apply to them)."""
         if isinstance(prompt, str):
             if not chat:
+                if system:
+                    raise ValueError("a system message needs chat=True (it goes through the chat template)")
                 return self.tokenizer.encode(prompt)
             prompt = [{"role": "user", "content": prompt}]
         if prompt and isinstance(prompt[0], dict):
             messages = ([{"role": "system", "content": system}] if system else []) + list(prompt)
             return self.tokenizer.encode_chat(messages)
-        return [int(t) for t in prompt]
+        if chat or system:
+            raise ValueError("chat and system apply to text or chat messages, not to token ids")
+        return list(prompt)
 
-    def generate(self, prompt: Prompt, **options) -> Generation:
+    def generate(self, prompt: Prompt, **options: Any) -> Generation:
         """Generate to the end; options as for stream()."""
         stream = self.stream(prompt, **options)
         for _ in stream:
@@ -100,42 +106,39 @@ class LLM:
 
     def stream(self, prompt: Prompt, *, chat: bool = False, system: str | None = None, max_new_tokens: int = 256,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               stop: Sequence[str] = (), strategy: Strategy | str = "autoregressive") -> "TextStream":
+               stop: Sequence[str] | str = (), strategy: Strategy | str = "autoregressive") -> TextStream:
         """An iterator of text pieces; its .result holds the Generation once it is exhausted.
-        Settings are checked here, before anything runs."""
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        if isinstance(strategy, str):
-            strategy = make_strategy(strategy)
-        if any(not s for s in stop):
-            raise ValueError("stop strings must not be empty")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        prompt_ids = self.encode(prompt, chat=chat, system=system)
-        return TextStream(self, prompt_ids, strategy=strategy, sampling=sampling, max_new_tokens=max_new_tokens,
-                          stop=tuple(stop))
-
-    def _cache_for(self, capacity: int) -> KVCache:
-        if self._cache is None or self._cache.capacity < capacity:
-            self._cache = self.model.new_cache(capacity)
-        return self._cache
+        Settings and prompt are checked here, before anything runs."""
+        settings = GenerationSettings(
+            strategy=make_strategy(strategy) if isinstance(strategy, str) else strategy,
+            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+            max_new_tokens=max_new_tokens, stop=stop)
+        return TextStream(self, self.encode(prompt, chat=chat, system=system), settings)
 
 
 class TextStream:
-    """Streams the text of one generation: never a broken character, never a piece of a stop string."""
+    """Streams the text of one generation: never a broken character, never a piece of a stop string.
 
-    def __init__(self, llm: LLM, prompt_ids: list[int], *, strategy: Strategy, sampling: SamplingParams,
-                 max_new_tokens: int, stop: tuple[str, ...]) -> None:
-        self.llm, self.prompt_ids, self.stop = llm, prompt_ids, stop
-        self.strategy, self.sampling, self.max_new_tokens = strategy, sampling, max_new_tokens
+    It holds the LLM's KV cache from creation until it is exhausted or closed; a generation started meanwhile
+    gets a cache of its own, so streams never disturb each other.
+    """
+
+    def __init__(self, llm: LLM, prompt_ids: list[int], settings: GenerationSettings) -> None:
+        self.llm, self.prompt_ids, self.stop = llm, prompt_ids, settings.stop
         self.result: Generation | None = None
-        check_prompt(prompt_ids, llm.model)  # fail now, not at the first piece of text
         self._run = TokenRun(GenerationStats())
-        capacity = cache_capacity(llm.model, len(prompt_ids), max_new_tokens, strategy)
-        self._tokens = decode_tokens(llm.model, prompt_ids, self._run, strategy=strategy, sampling=sampling,
-                                     max_new_tokens=max_new_tokens, eos_ids=llm.tokenizer.eos_ids,
-                                     cache=llm._cache_for(capacity))
+        self._cache = cache_for(llm.model, len(prompt_ids), settings, llm._take_cache())
+        self._tokens = decode_tokens(llm.model, prompt_ids, self._run, settings, eos_ids=llm.tokenizer.eos_ids,
+                                     cache=self._cache)
 
     def __iter__(self) -> Iterator[str]:
+        try:
+            yield from self._pieces()
+        finally:
+            self._tokens.close()
+            self.llm._give_back_cache(self._cache)
+
+    def _pieces(self) -> Iterator[str]:
         detok = StreamDecoder(self.llm.tokenizer, skip_special=True)
         eos = set(self.llm.tokenizer.eos_ids)
         longest_stop = max((len(s) for s in self.stop), default=0)
@@ -156,24 +159,11 @@ class TextStream:
             if safe > shown:
                 yield text[shown:safe]
                 shown = safe
-        self._tokens.close()
         if self._run.finish_reason != "stop":
             text += detok.finish()
         if len(text) > shown:
             yield text[shown:]
         self.result = Generation(text, ids, self.prompt_ids, self._run.finish_reason, self._run.stats)
-
-
-def make_strategy(name: str, **settings) -> Strategy:
-    """A strategy by name: "autoregressive" (or "ar"), "lookahead" or "auto" (settings: window, ngram,
-    guesses, ...; for auto they bound the largest step)."""
-    if name in ("autoregressive", "ar"):
-        return Autoregressive()
-    if name == "lookahead":
-        return Lookahead(**settings)
-    if name == "auto":
-        return Auto(**settings)
-    raise ValueError(f"unknown strategy {name!r}; choose autoregressive, lookahead or auto")
 
 
 def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:

@@ -19,13 +19,13 @@ whole committed cache):
     cand 1 i=2   o           |             |             |          | o  o  o
 
 Each window row therefore sees a chain of consecutive positions p, ..., p + l + c, as in a real sequence.
-The two branches never see each other. Candidates are last, so a step with g < G candidates uses the
-leading (W + g)(N - 1) rows and columns of the same template.
+The two branches never see each other.
 
 Candidates that share a prefix need not be computed twice: a step lays them out as a trie (CandidateTree),
-one row per distinct prefix, each row seeing x and its own ancestors. With no shared prefix the trie block is
-exactly the candidate block above. The window part is fixed per (W, N, G) and built once; the trie block depends
-on the step's candidates and is built for each step, by a few tensor operations.
+one row per distinct prefix, each row seeing x and its own ancestors; with no shared prefix the trie block is
+exactly the candidate block above. The window part (LookaheadLayout) is fixed per (W, N) and built once, as is
+the base of each kind of step (StepShape: the whole window, or x alone for a step that only verifies); the trie
+depends on the step's candidates and is built for each step by a few tensor operations.
 """
 
 from __future__ import annotations
@@ -58,12 +58,10 @@ class LookaheadLayout:
         """Rows of the lookahead branch, the input token included."""
         return self.levels * self.window
 
-    def n_rows(self, n_candidates: int) -> int:
-        return self.n_window_rows + n_candidates * self.levels
-
     @property
     def max_rows(self) -> int:
-        return self.n_rows(self.guesses)
+        """Rows of the largest step: the window and G candidates that share no prefix."""
+        return self.n_window_rows + self.guesses * self.levels
 
     @property
     def max_offset(self) -> int:
@@ -74,41 +72,20 @@ class LookaheadLayout:
         """(W,) rows of the newest level; their outputs form the next level."""
         return torch.arange(self.window) + (self.levels - 1) * self.window
 
-    def candidate_rows(self, n_candidates: int) -> torch.Tensor:
-        """(g, N-1) row of each candidate token."""
-        return torch.arange(n_candidates * self.levels).view(n_candidates, self.levels) + self.n_window_rows
-
-    def base_rows(self, with_window: bool = True) -> torch.Tensor:
-        """Template rows of a step before its candidates: the whole window, or only x (a step that just
-        verifies candidates)."""
-        return torch.arange(self.n_window_rows) if with_window else torch.zeros(1, dtype=torch.long)
-
-    def offsets(self) -> torch.Tensor:
-        """(max_rows,) rotary position of each row, relative to the input token."""
+    def window_offsets(self) -> torch.Tensor:
+        """(W * (N-1),) rotary position of each window row, relative to the input token."""
         level = torch.arange(self.levels).repeat_interleave(self.window)
         column = torch.arange(self.window).repeat(self.levels)
-        candidate = torch.arange(1, self.levels + 1).repeat(self.guesses)
-        return torch.cat([level + column, candidate])
+        return level + column
 
-    def mask(self) -> torch.Tensor:
-        """(max_rows, max_rows) bool, True where a row may attend to a row of the same step."""
-        W, L, G = self.window, self.levels, self.guesses
-        level = torch.arange(L).repeat_interleave(W)
-        column = torch.arange(W).repeat(L)
+    def window_mask(self) -> torch.Tensor:
+        """(W * (N-1), W * (N-1)) bool, True where a window row may attend to another: level 0 causally, a later
+        level's column c to level 0 up to c and to its own column's earlier levels."""
+        level = torch.arange(self.levels).repeat_interleave(self.window)
+        column = torch.arange(self.window).repeat(self.levels)
         r_lvl, s_lvl = level[:, None], level[None, :]
         r_col, s_col = column[:, None], column[None, :]
-        window = ((s_lvl == 0) & (s_col <= r_col)) | ((s_lvl >= 1) & (s_lvl <= r_lvl) & (s_col == r_col))
-
-        cand = torch.arange(G).repeat_interleave(L)
-        depth = torch.arange(L).repeat(G)
-        guesses = (cand[:, None] == cand[None, :]) & (depth[None, :] <= depth[:, None])
-
-        mask = torch.zeros(self.max_rows, self.max_rows, dtype=torch.bool)
-        n = self.n_window_rows
-        mask[:n, :n] = window
-        mask[n:, n:] = guesses
-        mask[n:, 0] = True  # candidates see the input token
-        return mask
+        return ((s_lvl == 0) & (s_col <= r_col)) | ((s_lvl >= 1) & (s_lvl <= r_lvl) & (s_col == r_col))
 
 
 @dataclass(frozen=True)
@@ -147,3 +124,43 @@ class CandidateTree:
     @property
     def size(self) -> int:
         return self.tokens.numel()
+
+
+class StepShape:
+    """The fixed base of one kind of step, on the device: the whole window, or only x (a verification step).
+
+    A step feeds these n_base rows, then its candidates as a trie (CandidateTree) of cand_len-token prefixes.
+    `read` lists the base rows whose logits are needed: x (unless it is part of the newest level) and the newest
+    level.
+    """
+
+    def __init__(self, layout: LookaheadLayout, with_window: bool, device: torch.device) -> None:
+        self.with_window, self.device = with_window, device
+        if with_window:
+            self.mask = layout.window_mask().to(device)
+            self.offsets = layout.window_offsets().to(device)
+            newest = layout.last_level_rows().tolist()
+        else:
+            self.mask = torch.ones(1, 1, dtype=torch.bool, device=device)
+            self.offsets = torch.zeros(1, dtype=torch.long, device=device)
+            newest = []
+        self.n_base = self.offsets.numel()
+        self.read = ([] if 0 in newest else [0]) + newest
+
+    def max_rows(self, n_candidates: int, cand_len: int) -> int:
+        """Rows fed with this many candidates when they share no prefix (an upper bound)."""
+        return self.n_base + n_candidates * cand_len
+
+    def kind(self, n_candidates: int, cand_len: int) -> str:
+        return f"{'window+' if self.with_window else 'verify '}{n_candidates}x{cand_len}"
+
+    def assemble(self, tree: CandidateTree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Mask (T, T), position offsets (T,) and rows to read, for this base followed by the trie's nodes."""
+        n, T = self.n_base, self.n_base + tree.size
+        mask = torch.zeros(T, T, dtype=torch.bool, device=self.device)
+        mask[:n, :n] = self.mask
+        mask[n:, 0] = True  # every candidate token sees x
+        mask[n:, n:] = tree.mask.to(self.device)
+        offsets = torch.cat([self.offsets, (tree.depth + 1).to(self.device)])
+        read = torch.cat([torch.tensor(self.read), torch.arange(n, T)]).to(self.device)
+        return mask, offsets, read

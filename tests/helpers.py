@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from minilade.config import ModelConfig
-from minilade.decoding.base import Strategy
-from minilade.decoding.loop import GenerationStats, TokenRun, decode_tokens
+from minilade.decoding import GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens
 from minilade.model import Transformer
-from minilade.sampling import SamplingParams
+from minilade.sampling import SamplingParams, warp
 
 
 def tiny_model(vocab: int = 16, seed: int = 0, std: float = 0.3, preset: str = "tiny-gqa",
@@ -25,8 +25,8 @@ def tiny_model(vocab: int = 16, seed: int = 0, std: float = 0.3, preset: str = "
 def run_tokens(model: Transformer, prompt: Sequence[int], strategy: Strategy, *, max_new_tokens: int = 40,
                sampling: SamplingParams = SamplingParams(), eos_ids: Sequence[int] = ()) -> tuple[list[int], TokenRun]:
     run = TokenRun(GenerationStats())
-    tokens = list(decode_tokens(model, prompt, run, strategy=strategy, sampling=sampling,
-                                max_new_tokens=max_new_tokens, eos_ids=eos_ids))
+    settings = GenerationSettings(strategy, sampling, max_new_tokens)
+    tokens = list(decode_tokens(model, prompt, run, settings, eos_ids=eos_ids))
     return tokens, run
 
 
@@ -50,3 +50,56 @@ def write_tiny_checkpoint(folder: Path, words: str, max_positions: int, chat_tem
                                       max_position_embeddings=max_positions, eos_token_id=2, bos_token_id=1)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+# ---- distributions of whole continuations, for the statistical tests of sampling ---------------------------------
+
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1]
+LENGTH = 4
+
+
+def exact_distribution(model: Transformer, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """Probability of every LENGTH-token continuation of PROMPT under autoregressive sampling, by enumeration."""
+    vocab = model.config.vocab_size
+    probs: dict[tuple[int, ...], float] = {(): 1.0}
+    with torch.no_grad():
+        for _ in range(LENGTH):
+            grown = {}
+            for prefix, p in probs.items():
+                tokens = torch.tensor([PROMPT + list(prefix)])
+                logits = model(tokens, torch.arange(tokens.shape[1]), model.new_cache(32))[0, -1]
+                nxt = warp(logits, params)
+                grown.update({prefix + (t,): p * float(nxt[t]) for t in range(vocab) if nxt[t] > 0})
+            probs = grown
+    return probs
+
+
+def chi_square_p_value(counts: Counter, expected: dict[tuple[int, ...], float], n: int) -> float:
+    """Goodness of fit; outcomes expected fewer than 5 times are pooled into one bin."""
+    stat, df, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for outcome, p in expected.items():
+        e = n * p
+        if e < 5:
+            pooled_obs, pooled_exp = pooled_obs + counts[outcome], pooled_exp + e
+            continue
+        stat += (counts[outcome] - e) ** 2 / e
+        df += 1
+    unexpected = sum(c for o, c in counts.items() if o not in expected)
+    pooled_obs += unexpected
+    pooled_exp = max(pooled_exp, 1e-9)
+    stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+    df += 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def sample_counts(model: Transformer, strategy: Strategy, params: SamplingParams, n: int) -> tuple[Counter, int]:
+    """How often each continuation of PROMPT came out of n seeded generations, and how many steps emitted more
+    than one token (so a test can tell whether drafts were accepted at all)."""
+    counts, steps_with_acceptance = Counter(), 0
+    for seed in range(n):
+        tokens, run = run_tokens(model, PROMPT, strategy, max_new_tokens=LENGTH,
+                                 sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed))
+        counts[tuple(tokens)] += 1
+        steps_with_acceptance += sum(c for k, c in run.stats.tokens_per_step.items() if k > 1)
+    return counts, steps_with_acceptance

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from minilade.generate import main
+from minilade.llm import LLM
 from minilade.tokenizer import Tokenizer
 
 from .helpers import write_tiny_checkpoint
@@ -43,8 +44,13 @@ def test_generates_json(tiny_checkpoint: Path) -> None:
                      "--strategy", "lookahead", "-W", "2", "-N", "3", "-G", "2")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    assert len(out["token_ids"]) <= 5 and out["prompt_tokens"] == len(tokenizer(tiny_checkpoint).encode("a b c d"))
-    assert out["stats"]["strategy"] == "lookahead" and out["finish_reason"] in ("length", "eos")
+    expected = LLM.load(tiny_checkpoint, progress=False).generate("a b c d", max_new_tokens=5)  # plain decoding
+    assert out["token_ids"] == expected.token_ids and out["text"] == expected.text
+    assert out["finish_reason"] == expected.finish_reason
+    assert out["prompt_tokens"] == len(tokenizer(tiny_checkpoint).encode("a b c d"))
+    stats = out["stats"]
+    assert stats["strategy"] == "lookahead" and stats["new_tokens"] == len(out["token_ids"])
+    assert stats["forward_passes"] == stats["steps"] + 1 and sum(stats["tokens_per_step"].values()) == stats["steps"]
 
 
 def test_prompt_from_stdin_and_stats_on_stderr(tiny_checkpoint: Path) -> None:
@@ -60,7 +66,8 @@ def test_prompt_from_stdin_and_stats_on_stderr(tiny_checkpoint: Path) -> None:
     (["--temperature", "1", "--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--top-k", "-3"], "top_k must be >= 0"),
     (["--top-k", "5"], "apply only when sampling"),
-    (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+    (["--stop", ""], "stop strings must be non-empty"),
     (["--strategy", "lookahead", "--ngram", "1"], "ngram size N must be >= 2"),
     (["--strategy", "lookahead", "--window", "0"], "window W must be >= 1"),
     (["--strategy", "lookahead", "--guesses", "-1"], "guesses G must be >= 0"),

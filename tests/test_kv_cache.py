@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minilade.masks import LookaheadLayout
+from minilade.masks import CandidateTree, LookaheadLayout, StepShape
 
 from .helpers import tiny_model
 
@@ -48,10 +48,10 @@ def test_compact_accepted_candidate_equals_token_by_token() -> None:
         cache = model.new_cache(64)
         model(torch.tensor([prompt[:-1]]), torch.arange(4), cache)
         cache.commit(4)
-        tokens = torch.tensor([window + candidates[0] + candidates[1]])
-        T = tokens.shape[1]
-        model(tokens, 4 + layout.offsets()[:T], cache, layout.mask()[:T, :T])
-        accepted = layout.candidate_rows(2)[1, :2]
+        tree = CandidateTree.build(torch.tensor(candidates))
+        mask, offsets, _ = StepShape(layout, with_window=True, device=torch.device("cpu")).assemble(tree)
+        model(torch.tensor([window + tree.tokens.tolist()]), 4 + offsets, cache, mask)
+        accepted = tree.node_of[1, :2] + layout.n_window_rows
         cache.compact(torch.cat([torch.zeros(1, dtype=torch.long), accepted]))
         assert_same_prefix(cache, filled_token_by_token(model, prompt + [30, 31]), 7)
 

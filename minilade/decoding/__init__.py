@@ -1,18 +1,36 @@
 """Decoding strategies and the one generation loop that runs them.
 
-    base.py            Strategy (user settings) -> Decoder (one generation's state) -> Step (what a step did)
-    loop.py            decode_tokens: prefill, steps, budget, EOS, statistics; written once for every strategy
+    base.py            Strategy (user settings) -> Decoder (one generation's state) -> Step (what one pass did)
+    loop.py            GenerationSettings (checked once) and decode_tokens: prefill, steps, budget, EOS, statistics
     autoregressive.py  one token per forward pass
     lookahead.py       Lookahead decoding: the Jacobi window, the n-gram pool and verification in one pass
     auto.py            lookahead with every step shaped from measured step costs and running acceptance
     step_costs.py      what a forward pass of T tokens costs on this machine
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 from .auto import Auto
 from .autoregressive import Autoregressive
-from .base import DecodeContext, Decoder, Strategy
+from .base import DecodeContext, Decoder, Step, Strategy
 from .lookahead import Lookahead
-from .loop import GenerationStats, TokenRun, decode_tokens
+from .loop import GenerationSettings, GenerationStats, TokenRun, decode_tokens
 
-__all__ = ["Auto", "Autoregressive", "DecodeContext", "Decoder", "GenerationStats", "Lookahead", "Strategy",
-           "TokenRun", "decode_tokens"]
+STRATEGIES: dict[str, type[Strategy]] = {"autoregressive": Autoregressive, "lookahead": Lookahead, "auto": Auto}
+
+
+def make_strategy(name: str, **settings: Any) -> Strategy:
+    """A strategy by name ("autoregressive", "lookahead" or "auto") with the given settings (window, ngram,
+    guesses, ...). Settings a strategy does not have are ignored, so one set of options serves every name."""
+    try:
+        kind = STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; choose {', '.join(STRATEGIES)}") from None
+    fields = getattr(kind, "__dataclass_fields__", {})
+    return kind(**{k: v for k, v in settings.items() if k in fields})
+
+
+__all__ = ["Auto", "Autoregressive", "DecodeContext", "Decoder", "GenerationSettings", "GenerationStats", "Lookahead",
+           "STRATEGIES", "Step", "Strategy", "TokenRun", "decode_tokens", "make_strategy"]

@@ -15,14 +15,13 @@ strategy decodes plainly, so switching it on is safe.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from ..masks import LookaheadLayout
 from ..ngram_pool import NGramPool
-from .base import DecodeContext, Decoder, Strategy
-from .lookahead import Lookahead, LookaheadDecoder, StepShape
-from .step_costs import step_costs_for
+from .base import DecodeContext, Decoder, Step
+from .lookahead import Lookahead, LookaheadDecoder, StepShape, Verdict
+from .step_costs import StepCosts, step_costs_for
 
 # ---- how many tokens a step will accept ----------------------------------------------------------------------------
 
@@ -80,23 +79,17 @@ def prompt_self_prediction(prompt: Sequence[int], ngram: int, guesses: int, last
 
 
 @dataclass(frozen=True)
-class Auto(Strategy):
+class Auto(Lookahead):
     """Lookahead with the shape of each step chosen from measured step costs and running acceptance estimates.
-    window, ngram, guesses: the largest step it may take. cost_file: where measured step costs are kept
-    between runs (None: measured once per process)."""
 
-    window: int = 5
-    ngram: int = 4
-    guesses: int = 5
+    window, ngram, guesses: the largest step it may take (the other settings as for Lookahead).
+    cost_file: where measured step costs are kept between runs (None: measured once per process and model).
+    costs: step costs to use instead of measuring (benchmarks and tests).
+    """
+
     cost_file: str | None = None
-    seed: int = 0
+    costs: StepCosts | None = field(default=None, compare=False, repr=False)
     name = "auto"
-
-    def __post_init__(self) -> None:
-        LookaheadLayout(self.window, self.ngram, self.guesses)  # validates W, N, G
-
-    def max_step_tokens(self) -> int:
-        return LookaheadLayout(self.window, self.ngram, self.guesses).max_rows
 
     def make_decoder(self, ctx: DecodeContext) -> Decoder:
         return AutoDecoder(ctx, self)
@@ -119,12 +112,12 @@ class AutoDecoder(LookaheadDecoder):
     DECAY = 0.97  # per step, for the window's running credit
 
     def __init__(self, ctx: DecodeContext, settings: Auto) -> None:
-        super().__init__(ctx, Lookahead(settings.window, settings.ngram, settings.guesses, seed=settings.seed))
+        super().__init__(ctx, settings)
         layout, K = self.layout, self.layout.levels
         self.verify_shape = StepShape(layout, with_window=False, device=ctx.device)
-        sizes = {self.verify_shape.n_rows(g, k) for g in range(1, layout.guesses + 1) for k in range(1, K + 1)}
-        sizes |= {self.full_shape.n_rows(g, K) for g in range(layout.guesses + 1)}
-        self.costs = step_costs_for(ctx.model, sorted(sizes), settings.cost_file)
+        sizes = {self.verify_shape.max_rows(g, k) for g in range(1, layout.guesses + 1) for k in range(1, K + 1)}
+        sizes |= {self.full_shape.max_rows(g, K) for g in range(layout.guesses + 1)}
+        self.costs = settings.costs or step_costs_for(ctx.model, sorted(sizes), settings.cost_file)
         self.acceptance = AcceptanceStats(layout.guesses, K)
         for matches in prompt_self_prediction(ctx.tokens, layout.ngram, layout.guesses):
             self.acceptance.observe(matches, K, weight=0.25)
@@ -132,21 +125,21 @@ class AutoDecoder(LookaheadDecoder):
         self.window_credit, self.window_steps = 0.5, 1.0  # a prior of half a token per window step
         self.since_verify = 0
 
-    def step(self) -> list[int]:
+    def step(self) -> Step:
         if self.near_end_of_context():
-            return self._single_step()
+            return self.single_step()
         candidates = self.candidates(self.layout.guesses)
         plan = self.choose(len(candidates))
         self.window_credit *= self.DECAY
         self.window_steps *= self.DECAY
         if plan.shape is None:
             self.since_verify += 1
-            return self._single_step()
+            return self.single_step()
         self.since_verify = 0
         x = self.ctx.tokens[-1]
-        emitted = self.run_step(plan.shape, candidates[:plan.n_candidates], plan.cand_len)
-        self._learn(plan, x, candidates)
-        return emitted
+        step = self.run_step(plan.shape, candidates[:plan.n_candidates], plan.cand_len)
+        self._learn(plan, x, candidates, step.detail)
+        return step
 
     @property
     def window_gain(self) -> float:
@@ -157,10 +150,10 @@ class AutoDecoder(LookaheadDecoder):
         est, verify = self.acceptance.expected, self.verify_shape
         for g in range(1, available + 1):
             for k in range(1, self.layout.levels + 1):
-                yield Plan(verify, g, k, verify.n_rows(g, k), 1.0 + est(g, k))
+                yield Plan(verify, g, k, verify.max_rows(g, k), 1.0 + est(g, k))
         full, K = self.full_shape, self.layout.levels
         for g in range(available + 1):
-            yield Plan(full, g, K, full.n_rows(g, K), 1.0 + est(g, K) + self.window_gain)
+            yield Plan(full, g, K, full.max_rows(g, K), 1.0 + est(g, K) + self.window_gain)
 
     def choose(self, available: int) -> Plan:
         best = max(self.options(available), key=lambda p: p.expected / self.costs(p.tokens))
@@ -168,9 +161,8 @@ class AutoDecoder(LookaheadDecoder):
             return Plan(self.verify_shape, 1, 1, 2, 1.0 + self.acceptance.expected(1, 1))  # a cheap probe
         return best
 
-    def _learn(self, plan: Plan, x: int, candidates: list[tuple[int, ...]]) -> None:
-        outcome = self.last_outcome
-        self.acceptance.observe(outcome.matches, plan.cand_len)
+    def _learn(self, plan: Plan, x: int, candidates: list[tuple[int, ...]], verdict: Verdict) -> None:
+        self.acceptance.observe(verdict.matches, plan.cand_len)
         self.window_steps += plan.shape.with_window
-        if outcome.n_accepted and self.pool.from_window(x, candidates[outcome.winner]):
-            self.window_credit += outcome.n_accepted
+        if verdict.n_accepted and self.pool.from_window(x, candidates[verdict.winner]):
+            self.window_credit += verdict.n_accepted

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import DecodeContext, Decoder, Strategy
+from .base import DecodeContext, Decoder, Step, Strategy
 
 
 @dataclass(frozen=True)
@@ -16,5 +16,5 @@ class Autoregressive(Strategy):
 
 
 class AutoregressiveDecoder(Decoder):
-    def step(self) -> list[int]:
-        return self._single_step()
+    def step(self) -> Step:
+        return self.single_step()

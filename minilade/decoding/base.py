@@ -1,14 +1,16 @@
 """Decoding strategies behind one interface.
 
-A strategy (a small frozen settings object, chosen by the user) makes a Decoder for each generation. The decoder
-owns the position in the KV cache and emits tokens; the generation loop in loop.py owns everything else
-(budget, stop rules, streaming, statistics) and is written once for all strategies.
+A Strategy is a small frozen settings object chosen by the user; it makes a Decoder for each generation. The
+decoder owns the position in the KV cache and emits tokens, one forward pass per call, and returns a Step that
+says what the pass did. The generation loop (loop.py) owns everything else -- budget, stop rules, streaming,
+statistics -- and is written once for all strategies; it learns about a step only from the Step it is given.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,13 +39,27 @@ class DecodeContext:
         return self.model.device
 
 
+@dataclass(frozen=True)
+class Step:
+    """What one forward pass of a decoder did.
+
+    tokens: the tokens it emits (at least one), already appended to the context's tokens.
+    kind: the kind of step in a few words ("single", "window+5x4", ...), counted in the statistics.
+    fed: rows put through the model. detail: whatever else the decoder wants to keep about it (for lookahead,
+    the verification outcome); the loop ignores it.
+    """
+
+    tokens: list[int]
+    kind: str
+    fed: int
+    detail: Any = None
+
+
 class Decoder(ABC):
     def __init__(self, ctx: DecodeContext) -> None:
         self.ctx = ctx
-        self.step_kind = "single"  # what the last step was, in a word (counted in the statistics)
-        self.step_tokens = 1       # tokens the last step fed to the model
 
-    def prefill(self) -> list[int]:
+    def prefill(self) -> Step:
         """Run the prompt through the model and emit the first token."""
         ctx = self.ctx
         n = len(ctx.tokens)
@@ -51,25 +67,24 @@ class Decoder(ABC):
         rows = torch.tensor([n - 1], device=ctx.device)
         logits = ctx.model(tokens, torch.arange(n, device=ctx.device), ctx.cache, logits_rows=rows)
         ctx.cache.commit(n)
-        return self._emit([int(ctx.sampler.pick(logits[0, -1]))])
+        return Step(self.emit([int(ctx.sampler.pick(logits[0, -1]))]), "prefill", n)
 
     @abstractmethod
-    def step(self) -> list[int]:
-        """One forward pass; returns the tokens it emits (at least one), already appended to ctx.tokens."""
+    def step(self) -> Step:
+        """One forward pass after the prefill."""
 
-    def _emit(self, block: list[int]) -> list[int]:
+    def emit(self, block: list[int]) -> list[int]:
         self.ctx.tokens.extend(block)
         return block
 
-    def _single_step(self) -> list[int]:
+    def single_step(self) -> Step:
         """Plain autoregressive step: feed the last token, emit the next one."""
         ctx = self.ctx
-        self.step_kind, self.step_tokens = "single", 1
         pos = ctx.cache.length
         tokens = torch.tensor([ctx.tokens[-1:]], device=ctx.device)
         logits = ctx.model(tokens, torch.tensor([pos], device=ctx.device), ctx.cache)
         ctx.cache.commit(1)
-        return self._emit([int(ctx.sampler.pick(logits[0, -1]))])
+        return Step(self.emit([int(ctx.sampler.pick(logits[0, -1]))]), "single", 1)
 
 
 class Strategy(ABC):

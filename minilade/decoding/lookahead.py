@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..masks import CandidateTree, LookaheadLayout
+from ..masks import CandidateTree, LookaheadLayout, StepShape
 from ..ngram_pool import NGramPool
 from ..verify import greedy_verify, sample_verify
-from .base import DecodeContext, Decoder, Strategy
+from .base import DecodeContext, Decoder, Step, Strategy
 
 
 @dataclass(frozen=True)
@@ -56,48 +56,14 @@ class Lookahead(Strategy):
 
 
 @dataclass
-class StepOutcome:
+class Verdict:
+    """What verification decided in one lookahead step (read back from the device in one transfer)."""
+
     emitted: list[int]
     winner: int             # index of the accepted candidate (meaningful when n_accepted > 0)
     n_accepted: int         # candidate tokens accepted
     matches: list[int]      # per candidate: leading tokens equal to the model's argmax chain (for estimates)
     new_level: list[int]    # the lookahead branch's new level (W,), empty for a step without the window
-
-
-class StepShape:
-    """The fixed part of one kind of step, on the device: the whole window, or only x (a verification step).
-
-    A step feeds these n_base rows, then its candidates as a trie (masks.CandidateTree) of cand_len-token
-    prefixes. `read` lists the base rows whose logits are needed: x (unless it is part of the newest level) and
-    the newest level.
-    """
-
-    def __init__(self, layout: LookaheadLayout, with_window: bool, device: torch.device) -> None:
-        rows = layout.base_rows(with_window)
-        self.with_window, self.device = with_window, device
-        self.mask = layout.mask()[rows][:, rows].to(device)
-        self.offsets = layout.offsets()[rows].to(device)
-        self.n_base = rows.numel()
-        newest = layout.last_level_rows().tolist() if with_window else []
-        self.read = ([] if 0 in newest else [0]) + newest
-
-    def n_rows(self, n_candidates: int, cand_len: int) -> int:
-        """Rows fed with this many candidates when they share no prefix (an upper bound)."""
-        return self.n_base + n_candidates * cand_len
-
-    def kind(self, n_candidates: int, cand_len: int) -> str:
-        return f"{'window+' if self.with_window else 'verify '}{n_candidates}x{cand_len}"
-
-    def assemble(self, tree: CandidateTree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Mask (T, T), position offsets (T,) and rows to read, for this base followed by the trie's nodes."""
-        n, T = self.n_base, self.n_base + tree.size
-        mask = torch.zeros(T, T, dtype=torch.bool, device=self.device)
-        mask[:n, :n] = self.mask
-        mask[n:, 0] = True  # every candidate token sees x
-        mask[n:, n:] = tree.mask.to(self.device)
-        offsets = torch.cat([self.offsets, (tree.depth + 1).to(self.device)])
-        read = torch.cat([torch.tensor(self.read), torch.arange(n, T)]).to(self.device)
-        return mask, offsets, read
 
 
 class LookaheadDecoder(Decoder):
@@ -117,9 +83,9 @@ class LookaheadDecoder(Decoder):
         self.window = torch.tensor(prompt)[picks]  # (N-1, W), on the host
         self.model_levels = 0  # how many of the window's levels the model has produced so far
 
-    def step(self) -> list[int]:
+    def step(self) -> Step:
         if self.near_end_of_context():
-            return self._single_step()
+            return self.single_step()
         return self.run_step(self.full_shape, self.candidates(self.layout.guesses), self.layout.levels)
 
     def near_end_of_context(self) -> bool:
@@ -132,22 +98,21 @@ class LookaheadDecoder(Decoder):
         self.ngram_start = max(0, len(self.ctx.tokens) - self.layout.ngram + 1)
         return self.pool.candidates(self.ctx.tokens[-1], limit)
 
-    def run_step(self, shape: StepShape, candidates: list[tuple[int, ...]], cand_len: int) -> list[int]:
+    def run_step(self, shape: StepShape, candidates: list[tuple[int, ...]], cand_len: int) -> Step:
         """One forward pass over the shape's base rows and the candidates cut to cand_len tokens; commits the
-        accepted tokens' K/V, advances the window (if it ran) and emits."""
+        accepted tokens' K/V, advances the window (if it ran) and emits. The Step's detail is the Verdict."""
         x = self.ctx.tokens[-1]
         cands = torch.tensor([c[:cand_len] for c in candidates], dtype=torch.long).view(-1, cand_len)
         tree = CandidateTree.build(cands)
-        self.step_kind = shape.kind(len(candidates), cand_len)
-        self.step_tokens = shape.n_base + tree.size
-        self.last_outcome = outcome = self._forward_and_verify(shape, x, cands, tree)
-        self._commit(shape, tree, outcome)
+        verdict = self._forward_and_verify(shape, x, cands, tree)
+        self._commit(shape, tree, verdict)
         if shape.with_window:
-            self._advance_window(x, outcome.new_level)
-        return self._emit(outcome.emitted)
+            self._advance_window(x, verdict.new_level)
+        return Step(self.emit(verdict.emitted), shape.kind(len(candidates), cand_len), shape.n_base + tree.size,
+                    verdict)
 
     def _forward_and_verify(self, shape: StepShape, x: int, candidates: torch.Tensor,
-                            tree: CandidateTree) -> StepOutcome:
+                            tree: CandidateTree) -> Verdict:
         ctx, layout = self.ctx, self.layout
         g, device = candidates.shape[0], ctx.device
         if shape.with_window:
@@ -171,7 +136,7 @@ class LookaheadDecoder(Decoder):
         readback = torch.cat([best.view(1), n_acc.view(1), matches, emitted, new_level]).tolist()
         best, n_acc = readback[0], readback[1]
         matches, rest = readback[2:2 + g], readback[2 + g:]
-        return StepOutcome(rest[:n_acc + 1], best, n_acc, matches, rest[emitted.numel():])
+        return Verdict(rest[:n_acc + 1], best, n_acc, matches, rest[emitted.numel():])
 
     def _verify(self, first_choice: torch.Tensor, first_logits: torch.Tensor, candidates: torch.Tensor,
                 cand_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -188,13 +153,13 @@ class LookaheadDecoder(Decoder):
             n_acc = n_acc.clamp(max=candidates.shape[1] - 1)
         return best, n_acc, matches, chain
 
-    def _commit(self, shape: StepShape, tree: CandidateTree, outcome: StepOutcome) -> None:
+    def _commit(self, shape: StepShape, tree: CandidateTree, verdict: Verdict) -> None:
         """Keep the K/V of the input token and of the accepted candidate tokens; drop the rest of the step."""
         cache = self.ctx.cache
-        if outcome.n_accepted == 0:
+        if verdict.n_accepted == 0:
             cache.commit(1)
             return
-        nodes = tree.node_of[outcome.winner, :outcome.n_accepted] + shape.n_base
+        nodes = tree.node_of[verdict.winner, :verdict.n_accepted] + shape.n_base
         cache.compact(torch.cat([torch.zeros(1, dtype=torch.long), nodes]).to(self.ctx.device))
 
     def _advance_window(self, x: int, new_level: list[int]) -> None:

@@ -1,7 +1,8 @@
 """The generation loop, written once for every strategy: prefill, steps, budget, EOS, statistics.
 
 decode_tokens() runs any Strategy on token ids and yields the new tokens one at a time; the text layer
-(minilade/llm.py) adds tokenization, streaming and stop strings on top.
+(minilade/llm.py) adds tokenization, streaming and stop strings on top. GenerationSettings is the one place a
+generation's settings are checked, before any model runs.
 """
 
 from __future__ import annotations
@@ -9,14 +10,15 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from ..kv_cache import KVCache
 from ..model import Transformer
 from ..sampling import Sampler, SamplingParams
-from .base import DecodeContext, Strategy
+from .autoregressive import Autoregressive
+from .base import DecodeContext, Decoder, Step, Strategy
 
 
 @dataclass
@@ -56,6 +58,14 @@ class GenerationStats:
     def tokens_fed_per_step(self) -> float:
         return self.tokens_fed / self.steps if self.steps else 0.0
 
+    def count(self, step: Step, seconds: float) -> None:
+        """Add one decoding step (not the prefill)."""
+        self.decode_s += seconds
+        self.steps += 1
+        self.tokens_per_step[len(step.tokens)] += 1
+        self.step_kinds[step.kind] += 1
+        self.tokens_fed += step.fed
+
     def summary(self) -> str:
         hist = " ".join(f"{k}:{v}" for k, v in sorted(self.tokens_per_step.items()))
         kinds = ", ".join(f"{k} x{v}" for k, v in self.step_kinds.most_common()) if len(self.step_kinds) > 1 else ""
@@ -73,6 +83,31 @@ class GenerationStats:
         return d
 
 
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Everything that shapes a generation besides its prompt, validated on construction.
+
+    stop: stop strings, applied by the text layer (a single string is one stop string, not its characters).
+    """
+
+    strategy: Strategy = field(default_factory=Autoregressive)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.strategy, Strategy):
+            raise ValueError(f"strategy must be a Strategy (Autoregressive(), Lookahead(...), Auto(...)) or its "
+                             f"name, got {self.strategy!r}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (a whole number), got {self.max_new_tokens!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+        object.__setattr__(self, "stop", stop)
+
+
 @dataclass
 class TokenRun:
     """Outcome of decode_tokens: filled in as tokens are consumed."""
@@ -82,63 +117,71 @@ class TokenRun:
 
 
 def check_prompt(prompt: Sequence[int], model: Transformer) -> None:
+    """The prompt's ids fit the model: not empty, shorter than the context, inside the vocabulary."""
     config = model.config
     if not prompt:
         raise ValueError("the prompt is empty")
     if len(prompt) >= config.max_seq_len:
         raise ValueError(f"the prompt has {len(prompt)} tokens but the model's context is {config.max_seq_len} "
                          f"tokens; shorten the prompt")
-    bad = [t for t in prompt if not 0 <= t < config.vocab_size]
+    bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < config.vocab_size]
     if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {config.vocab_size})")
+        raise ValueError(f"prompt token id {bad[0]!r} is not an id of the vocabulary (0..{config.vocab_size - 1})")
 
 
-def cache_capacity(model: Transformer, prompt_len: int, max_new_tokens: int, strategy: Strategy) -> int:
-    """KV cache slots a generation needs: every position it may use, plus room for one step's speculative rows."""
-    return min(model.config.max_seq_len, prompt_len + max_new_tokens) + strategy.max_step_tokens()
+def cache_for(model: Transformer, prompt_len: int, settings: GenerationSettings,
+              cache: KVCache | None = None) -> KVCache:
+    """A KV cache for one generation: `cache` when it is large enough, else a new one. It needs every position
+    the generation may use plus room for one step's speculative rows."""
+    needed = min(model.config.max_seq_len, prompt_len + settings.max_new_tokens) + settings.strategy.max_step_tokens()
+    if cache is None or cache.capacity < needed:
+        cache = model.new_cache(needed)
+    cache.truncate(0)
+    return cache
 
 
-def decode_tokens(model: Transformer, prompt: Sequence[int], run: TokenRun, *, strategy: Strategy,
-                  sampling: SamplingParams, max_new_tokens: int, eos_ids: Sequence[int] = (),
-                  cache: KVCache | None = None) -> Iterator[int]:
-    """Yield new token ids one at a time until EOS (yielded, then stop), max_new_tokens or the context is full.
+def decode_tokens(model: Transformer, prompt: Sequence[int], run: TokenRun, settings: GenerationSettings, *,
+                  eos_ids: Sequence[int] = (), cache: KVCache | None = None) -> Iterator[int]:
+    """New token ids, one at a time, until EOS (yielded, then stop), max_new_tokens or the context is full.
 
-    The consumer may stop early (a stop string); run.stats then counts only the tokens it took.
-    `cache` is reused when given and large enough.
+    The prompt is checked and the decoder made now; the model runs as the iterator is consumed. The consumer may
+    stop early (a stop string); run.stats then counts only the tokens it took. `cache` is used when large enough
+    (see cache_for); nothing else may use it until the iterator is exhausted or closed.
     """
     check_prompt(prompt, model)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    limit = min(model.config.max_seq_len, len(prompt) + max_new_tokens)
-    capacity = cache_capacity(model, len(prompt), max_new_tokens, strategy)
-    if cache is None or cache.capacity < capacity:
-        cache = model.new_cache(capacity)
-    cache.truncate(0)
-    ctx = DecodeContext(model, cache, Sampler(sampling, model.device), list(prompt), model.config.max_seq_len)
-    stats = run.stats
-    stats.strategy, stats.prompt_tokens = strategy.name, len(prompt)
-    eos = frozenset(eos_ids)
+    ctx = DecodeContext(model, cache_for(model, len(prompt), settings, cache), Sampler(settings.sampling, model.device),
+                        list(prompt), model.config.max_seq_len)
+    run.stats.strategy, run.stats.prompt_tokens = settings.strategy.name, len(prompt)
     with torch.inference_mode():
-        decoder = strategy.make_decoder(ctx)
-        start = time.perf_counter()
-        block = decoder.prefill()
-        stats.prefill_s = time.perf_counter() - start
-        while True:
-            for token in block:
-                stats.new_tokens += 1
-                if token in eos:
-                    run.finish_reason = "eos"
-                elif stats.new_tokens >= max_new_tokens:
-                    run.finish_reason = "length"
-                elif len(prompt) + stats.new_tokens >= limit:
-                    run.finish_reason = "context"
-                yield token  # the reason is set first, so a consumer that stops at this token sees it
-                if run.finish_reason:
-                    return
-            start = time.perf_counter()
-            block = decoder.step()
-            stats.decode_s += time.perf_counter() - start
-            stats.steps += 1
-            stats.tokens_per_step[len(block)] += 1
-            stats.step_kinds[decoder.step_kind] += 1
-            stats.tokens_fed += decoder.step_tokens
+        decoder = settings.strategy.make_decoder(ctx)
+    return _run_decoder(decoder, run, settings.max_new_tokens, frozenset(eos_ids))
+
+
+def _run_decoder(decoder: Decoder, run: TokenRun, max_new_tokens: int, eos: frozenset[int]) -> Iterator[int]:
+    """The loop: prefill, then steps, handing out their tokens one at a time and deciding where to stop.
+    Inference mode is entered around each forward pass only, so the consumer's code never runs in it."""
+    stats = run.stats
+    limit = min(decoder.ctx.limit, stats.prompt_tokens + max_new_tokens)
+    step, stats.prefill_s = timed(decoder.prefill)
+    while True:
+        for token in step.tokens:
+            stats.new_tokens += 1
+            if token in eos:
+                run.finish_reason = "eos"
+            elif stats.new_tokens >= max_new_tokens:
+                run.finish_reason = "length"
+            elif stats.prompt_tokens + stats.new_tokens >= limit:
+                run.finish_reason = "context"
+            yield token  # the reason is set first, so a consumer that stops at this token sees it
+            if run.finish_reason:
+                return
+        step, seconds = timed(decoder.step)
+        stats.count(step, seconds)
+
+
+def timed(forward: Callable[[], Step]) -> tuple[Step, float]:
+    """Run one forward pass of a decoder (its prefill or a step) in inference mode; also return its seconds."""
+    start = time.perf_counter()
+    with torch.inference_mode():
+        step = forward()
+    return step, time.perf_counter() - start

@@ -64,9 +64,6 @@ class StepCosts:
                 return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
         return secs[-1] * tokens / sizes[-1]  # beyond the largest size: proportional
 
-    def relative(self, tokens: int) -> float:
-        return self(tokens) / self(1)
-
 
 _MEASURED: "weakref.WeakKeyDictionary[Transformer, dict[int, float]]" = weakref.WeakKeyDictionary()
 

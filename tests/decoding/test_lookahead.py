@@ -1,0 +1,106 @@
+"""Lookahead decoding: exact equality with autoregressive output, budgets, EOS, the context's end."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from minilade.decoding import Autoregressive, Lookahead
+from minilade.masks import LookaheadLayout
+
+from ..helpers import run_tokens, tiny_model
+
+
+def test_shared_prefixes_feed_fewer_tokens_with_the_same_output() -> None:
+    model = tiny_model(vocab=8, seed=3)  # a tiny vocabulary: many candidates share their first tokens
+    prompt = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1]
+    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=40)
+    got, run = run_tokens(model, prompt, Lookahead(3, 4, 6), max_new_tokens=40)
+    assert got == expected
+    window_rows = LookaheadLayout(3, 4, 6).n_window_rows
+    flat = sum(n * (window_rows + 3 * int(kind.split("+")[1].split("x")[0]))  # kinds read "window+{g}x3"
+               for kind, n in run.stats.step_kinds.items())
+    assert run.stats.tokens_fed < flat
+
+
+@pytest.mark.parametrize("W,N,G", [(0, 3, 1), (2, 1, 1), (2, 3, -1)])
+def test_invalid_settings(W: int, N: int, G: int) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        Lookahead(window=W, ngram=N, guesses=G)
+
+
+SETTINGS = [(1, 2, 0), (1, 2, 3), (3, 2, 2), (1, 4, 2), (4, 3, 4), (5, 4, 5), (2, 5, 1), (7, 5, 7), (4, 6, 0)]
+
+
+@pytest.mark.parametrize("model_seed", range(4))
+def test_greedy_lookahead_equals_autoregressive(model_seed: int) -> None:
+    """The central invariant, over random tiny models, prompts and (W, N, G)."""
+    model = tiny_model(vocab=12 + 4 * model_seed, seed=model_seed)
+    gen = torch.Generator().manual_seed(100 + model_seed)
+    accepted_more_than_one = 0
+    for trial in range(3):
+        length = int(torch.randint(1, 24, (1,), generator=gen))
+        prompt = torch.randint(0, model.config.vocab_size, (length,), generator=gen).tolist()
+        expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=48)
+        for W, N, G in SETTINGS:
+            for from_prompt in (True, False):
+                got, run = run_tokens(model, prompt, Lookahead(W, N, G, pool_from_prompt=from_prompt),
+                                      max_new_tokens=48)
+                assert got == expected, (prompt, W, N, G, from_prompt)
+                assert max(run.stats.tokens_per_step) <= N
+                accepted_more_than_one += run.stats.forward_passes < run.stats.new_tokens
+    assert accepted_more_than_one > 0, "lookahead never accepted a candidate: the test would prove nothing"
+
+
+def test_stop_inside_an_accepted_block_cuts_where_autoregressive_stops() -> None:
+    model = tiny_model(vocab=12, seed=1)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4]
+    reference, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=60)
+    strategy = Lookahead(5, 4, 5)
+    _, run = run_tokens(model, prompt, strategy, max_new_tokens=60)
+    assert max(run.stats.tokens_per_step) > 1
+    for budget in range(1, 25):
+        got, run = run_tokens(model, prompt, strategy, max_new_tokens=budget)
+        assert got == reference[:budget] and run.finish_reason == "length" and run.stats.new_tokens == budget
+    for eos in set(reference[1:30]):
+        cut = reference.index(eos) + 1
+        got, run = run_tokens(model, prompt, strategy, max_new_tokens=60, eos_ids=[eos])
+        assert got == reference[:cut] and run.finish_reason == "eos"
+
+
+def test_near_the_end_of_the_context_falls_back_to_single_steps() -> None:
+    model = tiny_model(vocab=12, seed=2)
+    limit = model.config.max_seq_len
+    prompt = ([1, 2, 3] * 100)[:limit - 20]
+    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=50)
+    got, run = run_tokens(model, prompt, Lookahead(7, 5, 7), max_new_tokens=50)
+    assert got == expected and len(got) == 20 and run.finish_reason == "context"
+
+
+def test_step_counts_are_reproducible() -> None:
+    model = tiny_model(vocab=16, seed=3)
+    prompt = [3, 4, 5, 6, 7, 3, 4]
+    runs = [run_tokens(model, prompt, Lookahead(4, 4, 4, seed=7))[1].stats for _ in range(2)]
+    assert runs[0].steps == runs[1].steps and runs[0].tokens_per_step == runs[1].tokens_per_step
+
+
+def test_float64_and_every_setting_combination_small() -> None:
+    model = tiny_model(vocab=10, seed=5, dtype=torch.float64)
+    prompt = [1, 2, 3, 1, 2]
+    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=24)
+    for W, N, G in itertools.product([1, 2, 3], [2, 3, 4], [0, 1, 3]):
+        got, _ = run_tokens(model, prompt, Lookahead(W, N, G), max_new_tokens=24)
+        assert got == expected, (W, N, G)
+
+
+def test_without_the_bonus_token_a_step_emits_at_most_n_minus_1() -> None:
+    """The published reference's cap, kept as an option for comparisons: same output, shorter steps."""
+    model = tiny_model(vocab=12, seed=1)
+    prompt = [1, 2, 3, 4] * 6
+    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=40)
+    with_bonus, run = run_tokens(model, prompt, Lookahead(4, 4, 4), max_new_tokens=40)
+    without, capped = run_tokens(model, prompt, Lookahead(4, 4, 4, bonus_token=False), max_new_tokens=40)
+    assert with_bonus == without == expected
+    assert max(run.stats.tokens_per_step) == 4 and max(capped.stats.tokens_per_step) == 3

@@ -1,0 +1,106 @@
+"""The library front door: prompts, settings, streams that share one LLM, and no state leaking to the caller."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from minilade import LLM, Lookahead
+
+from .helpers import write_tiny_checkpoint
+
+pytest.importorskip("transformers")
+
+WORDS = "a b c d hello world the cat sat on the mat"
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> LLM:
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    folder = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), WORDS, max_positions=128, chat_template=template)
+    return LLM.load(Path(folder), dtype="float32", device="cpu", progress=False)
+
+
+def test_streams_of_one_llm_do_not_disturb_each_other(llm: LLM) -> None:
+    """Pausing one stream, running another generation, then resuming the first gives what it gives alone."""
+    alone = llm.generate("a b c", max_new_tokens=24)
+    other = llm.generate("hello world the", max_new_tokens=24)
+    stream = llm.stream("a b c", max_new_tokens=24)
+    pieces = iter(stream)
+    started = [next(pieces), next(pieces)]
+    assert llm.generate("hello world the", max_new_tokens=24).token_ids == other.token_ids
+    rest = list(pieces)
+    assert "".join(started + rest) == alone.text and stream.result.token_ids == alone.token_ids
+
+
+def test_a_finished_stream_hands_its_cache_to_the_next(llm: LLM) -> None:
+    llm.generate("a b", max_new_tokens=4)
+    spare = llm._spare_cache
+    stream = llm.stream("c d", max_new_tokens=4)
+    assert llm._spare_cache is None  # held by the stream
+    list(stream)
+    assert llm._spare_cache is spare
+
+
+def test_the_caller_never_runs_in_inference_mode(llm: LLM) -> None:
+    pieces = iter(llm.stream("a b c", max_new_tokens=6))
+    next(pieces)
+    assert not torch.is_inference_mode_enabled()
+    x = torch.ones(2, requires_grad=True)
+    assert (x * 2).requires_grad
+
+
+def test_one_stop_string_is_not_split_into_characters(llm: LLM) -> None:
+    full = llm.generate("a b c", max_new_tokens=24)
+    text = full.text
+    # A 3-character stop string whose characters all occur before it: split into characters, it would cut early.
+    stop = next(text[i:i + 3] for i in range(3, len(text) - 3)
+                if text.index(text[i:i + 3]) == i and max(text.index(c) for c in text[i:i + 3]) < i)
+    cut = llm.generate("a b c", max_new_tokens=24, stop=stop)
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop)]
+
+
+@pytest.mark.parametrize("options,fact", [
+    (dict(max_new_tokens=2.5), "max_new_tokens must be >= 1"),
+    (dict(max_new_tokens=True), "max_new_tokens must be >= 1"),
+    (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+    (dict(stop=["ok", ""]), "stop strings must be non-empty"),
+    (dict(strategy="beam"), "unknown strategy 'beam'"),
+    (dict(strategy=42), "strategy must be a Strategy"),
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+])
+def test_bad_options_are_one_line_value_errors(llm: LLM, options: dict, fact: str) -> None:
+    with pytest.raises(ValueError, match=fact) as error:
+        llm.stream("a b", **options)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("prompt,options,fact", [
+    ([1, 2.7, 3], {}, "prompt token id 2.7 is not an id of the vocabulary"),
+    ([1, 10 ** 9], {}, "prompt token id 1000000000 is not an id"),
+    ([], {}, "the prompt is empty"),
+    ([1, 2, 3], dict(system="be brief"), "not to token ids"),
+    ([1, 2, 3], dict(chat=True), "not to token ids"),
+    ("a b", dict(system="be brief"), "needs chat=True"),
+])
+def test_bad_prompts_are_rejected_before_anything_runs(llm: LLM, prompt, options: dict, fact: str) -> None:
+    with pytest.raises(ValueError, match=fact):
+        llm.stream(prompt, **options)
+
+
+def test_token_ids_text_and_chat_prompts(llm: LLM) -> None:
+    ids = llm.encode("a b c")
+    assert llm.generate(ids, max_new_tokens=5).token_ids == llm.generate("a b c", max_new_tokens=5).token_ids
+    chat = llm.encode("hello", chat=True, system="be brief")
+    assert chat == llm.encode([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}])
+    assert llm.tokenizer.decode(chat) == "system: be brief\nuser: hello\nassistant:"
+
+
+def test_lookahead_through_the_library_equals_plain_decoding(llm: LLM) -> None:
+    plain = llm.generate("the cat sat on the mat the cat", max_new_tokens=40)
+    fast = llm.generate("the cat sat on the mat the cat", max_new_tokens=40, strategy=Lookahead(3, 3, 3))
+    assert fast.token_ids == plain.token_ids and fast.text == plain.text
+    assert fast.stats.strategy == "lookahead" and plain.stats.compression == pytest.approx(40 / 40)

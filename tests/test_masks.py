@@ -1,0 +1,81 @@
+"""Geometry of a lookahead step: the window template, the candidate trie, and the two assembled."""
+
+from __future__ import annotations
+
+import torch
+
+from minilade.masks import CandidateTree, LookaheadLayout, StepShape
+
+
+def render(mask: torch.Tensor) -> list[str]:
+    return ["".join("o" if v else "." for v in row) for row in mask.tolist()]
+
+
+def full_step(W: int, N: int, candidates: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A whole window step with these candidates (N - 1 tokens each): mask, position offsets, rows read."""
+    shape = StepShape(LookaheadLayout(W, N, len(candidates)), with_window=True, device=torch.device("cpu"))
+    return shape.assemble(CandidateTree.build(torch.tensor(candidates, dtype=torch.long).view(-1, N - 1)))
+
+
+def test_mask_and_positions_literal() -> None:
+    mask, offsets, read = full_step(3, 3, [[1, 2], [3, 4]])
+    # rows: x, l0c1, l0c2 | l1c0, l1c1, l1c2 | cand0 (2 tokens) | cand1 (2 tokens)
+    assert render(mask) == [
+        "o.........",
+        "oo........",
+        "ooo.......",
+        "o..o......",
+        "oo..o.....",
+        "ooo..o....",
+        "o.....o...",
+        "o.....oo..",
+        "o.......o.",
+        "o.......oo",
+    ]
+    assert offsets.tolist() == [0, 1, 2, 1, 2, 3, 1, 2, 1, 2]
+    assert read.tolist() == [0, 3, 4, 5, 6, 7, 8, 9]  # x, the newest level, every candidate token
+    assert LookaheadLayout(3, 3, 2).max_rows == (3 + 2) * (3 - 1)
+
+
+def test_mask_n2_is_jacobi_window_plus_single_token_candidates() -> None:
+    mask, offsets, read = full_step(3, 2, [[1], [2]])
+    assert render(mask) == ["o....", "oo...", "ooo..", "o..o.", "o...o"]
+    assert offsets.tolist() == [0, 1, 2, 1, 1]
+    assert read.tolist() == [0, 1, 2, 3, 4]  # x is part of the newest (only) level
+
+
+def test_a_verification_step_is_x_and_the_trie() -> None:
+    shape = StepShape(LookaheadLayout(3, 4, 2), with_window=False, device=torch.device("cpu"))
+    mask, offsets, read = shape.assemble(CandidateTree.build(torch.tensor([[1, 2], [1, 3]])))
+    assert render(mask) == ["o...", "oo..", "ooo.", "oo.o"]
+    assert offsets.tolist() == [0, 1, 2, 2] and read.tolist() == [0, 1, 2, 3]
+    assert shape.max_rows(2, 2) == 5 and shape.kind(2, 2) == "verify 2x2"
+
+
+def test_window_rows_see_a_chain_of_consecutive_positions() -> None:
+    """Every row sees exactly one row per position from x up to its own position: a well-formed sequence."""
+    for W, N, G in [(1, 2, 0), (4, 5, 3), (7, 5, 7), (2, 3, 1)]:
+        candidates = (torch.arange(G * (N - 1)).view(G, N - 1) + 1).tolist()
+        mask, pos, _ = full_step(W, N, candidates)
+        assert mask.shape[0] == LookaheadLayout(W, N, G).max_rows
+        for row in range(mask.shape[0]):
+            seen = sorted(pos[mask[row]].tolist())
+            assert seen == list(range(int(pos[row]) + 1)), (W, N, G, row)
+
+
+def test_candidates_sharing_a_prefix_share_rows() -> None:
+    tree = CandidateTree.build(torch.tensor([[5, 6, 7], [5, 6, 8], [5, 9, 1], [2, 3, 4]]))
+    assert tree.tokens.tolist() == [5, 6, 7, 8, 9, 1, 2, 3, 4]  # 9 rows instead of 12
+    assert tree.depth.tolist() == [0, 1, 2, 2, 1, 2, 0, 1, 2]
+    assert tree.node_of.tolist() == [[0, 1, 2], [0, 1, 3], [0, 4, 5], [6, 7, 8]]
+    assert render(tree.mask) == [
+        "o........",
+        "oo.......",
+        "ooo......",
+        "oo.o.....",  # 8 sees 5, 6 and itself, not its sibling 7
+        "o...o....",
+        "o...oo...",
+        "......o..",
+        "......oo.",
+        "......ooo",
+    ]

@@ -1,0 +1,115 @@
+"""Verification on fixed model choices and stub distributions: greedy, and lossless sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from minilade.sampling import Sampler, SamplingParams
+from minilade.verify import greedy_verify, sample_verify
+
+
+def greedy(first: int, candidates: list[list[int]], choices: list[list[int]]) -> tuple[int, int, list[int]]:
+    best, n, chain, _ = greedy_verify(torch.tensor(first), torch.tensor(candidates), torch.tensor(choices))
+    return int(best), int(n), chain[:int(n) + 1].tolist()
+
+
+def test_greedy_verify_full_match_keeps_bonus_token() -> None:
+    # The model says 5 after x, 6 after 5, 7 after 6: candidate [5, 6] fully matches, 7 is the bonus token.
+    assert greedy(5, [[5, 6]], [[6, 7]]) == (0, 2, [5, 6, 7])
+
+
+def test_greedy_verify_partial_and_longest_match() -> None:
+    candidates = [[5, 9, 9], [5, 6, 9], [4, 6, 7]]
+    choices = [[6, 1, 1], [6, 7, 8], [6, 7, 8]]
+    assert greedy(5, candidates, choices) == (1, 2, [5, 6, 7])
+
+
+def test_greedy_verify_no_match_emits_models_token() -> None:
+    assert greedy(3, [[5, 6], [4, 4]], [[6, 7], [4, 4]]) == (0, 0, [3])
+
+
+def test_greedy_verify_tie_goes_to_earlier_candidate() -> None:
+    assert greedy(5, [[5, 1], [5, 2]], [[3, 3], [3, 3]])[:2] == (0, 1)
+
+
+# ---- the sampling verifier with stub distributions ---------------------------------------------------------
+
+class ScriptedSampler(Sampler):
+    """Plays back given uniforms and records the distribution of every draw (which returns its argmax)."""
+
+    def __init__(self, uniforms: list[float]) -> None:
+        super().__init__(SamplingParams(temperature=1.0, seed=0))
+        self.uniforms = torch.tensor(uniforms)
+        self.draws: list[torch.Tensor] = []
+
+    def uniform(self, n: int, device) -> torch.Tensor:
+        assert n == self.uniforms.numel()
+        return self.uniforms.clone()
+
+    def draw(self, probs: torch.Tensor) -> torch.Tensor:
+        self.draws.append(probs.clone())
+        return probs.argmax(-1)
+
+
+V = 6
+P0 = torch.tensor([0.05, 0.3, 0.35, 0.1, 0.15, 0.05])  # the model's distribution after x
+
+
+def after(*probs: float) -> torch.Tensor:
+    """Logits whose softmax is the given distribution (temperature 1 leaves it unchanged)."""
+    return torch.log(torch.tensor(probs))
+
+
+D1 = after(0.1, 0.1, 0.1, 0.4, 0.2, 0.1)  # after candidate token 1
+D2 = after(0.3, 0.2, 0.1, 0.1, 0.2, 0.1)
+D3 = after(0.2, 0.2, 0.2, 0.2, 0.1, 0.1)
+
+
+def verify(candidates: list[list[int]], cand_logits: list[list[torch.Tensor]], uniforms: list[float]):
+    sampler = ScriptedSampler(uniforms)  # uniforms are laid out (position, candidate)
+    best, n, emitted = sample_verify(P0, torch.tensor(candidates), torch.stack([torch.stack(r) for r in cand_logits]),
+                                     sampler)
+    return int(best), int(n), emitted[:int(n) + 1].tolist(), sampler.draws
+
+
+def test_one_candidate_accepted_with_probability_p() -> None:
+    # p(1) = 0.3: u = 0.29 accepts token 1; the bonus token is drawn from the distribution after it.
+    best, n, emitted, draws = verify([[1]], [[D1]], [0.29])
+    assert (best, n) == (0, 1) and emitted == [1, 3]
+    torch.testing.assert_close(draws[0], D1.softmax(-1))
+    # u = 0.31 rejects it; the step emits a draw from p with token 1's mass removed.
+    best, n, emitted, draws = verify([[1]], [[D1]], [0.31])
+    assert n == 0 and emitted == [2]
+    torch.testing.assert_close(draws[0], torch.tensor([0.05, 0, 0.35, 0.1, 0.15, 0.05]) / 0.7)
+
+
+def test_second_candidate_tried_against_the_renormalised_residual() -> None:
+    # Token 1 (p 0.3) rejected; token 2 is then accepted with probability 0.35 / 0.7 = 0.5.
+    candidates, logits = [[1], [2]], [[D1], [D2]]
+    assert verify(candidates, logits, [0.9, 0.49])[:3] == (1, 1, [2, 0])
+    best, n, emitted, draws = verify(candidates, logits, [0.9, 0.51])
+    assert n == 0
+    torch.testing.assert_close(draws[0], torch.tensor([0.05, 0, 0, 0.1, 0.15, 0.05]) / 0.35)
+
+
+def test_duplicate_tokens_are_tried_once() -> None:
+    # Candidates 0 and 1 both start with token 1; a rejection of token 1 must not be retried by candidate 1,
+    # whose uniform (0.0) would otherwise accept it.
+    best, n, emitted, draws = verify([[1, 3], [1, 4], [2, 0]], [[D1, D3], [D1, D3], [D2, D3]],
+                                     [0.9, 0.0, 0.9, 0.9, 0.9, 0.9])
+    assert n == 0
+    torch.testing.assert_close(draws[0], torch.tensor([0.05, 0, 0, 0.1, 0.15, 0.05]) / 0.35)
+
+
+def test_shared_prefix_continues_with_the_accepted_branch() -> None:
+    # Both candidates start with token 1 (accepted, u 0.1 < 0.3). Position 1 uses the distribution after
+    # token 1: candidate 0's token 3 (p 0.4) is rejected (u 0.5), candidate 1's token 4 then has
+    # probability 0.2 / 0.6: u 0.3 accepts it, and the bonus comes from candidate 1's last row.
+    candidates, logits = [[1, 3], [1, 4]], [[D1, D2], [D1, D3]]
+    best, n, emitted, draws = verify(candidates, logits, [0.1, 0.0, 0.5, 0.3])
+    assert (best, n) == (1, 2) and emitted == [1, 4, 0]
+    torch.testing.assert_close(draws[0], D3.softmax(-1))
+    # With u 0.35 > 1/3 token 4 is rejected too: the residual after token 1 without 3 and 4.
+    best, n, emitted, draws = verify(candidates, logits, [0.1, 0.0, 0.5, 0.35])
+    assert n == 1 and emitted[0] == 1
+    torch.testing.assert_close(draws[0], torch.tensor([0.1, 0.1, 0.1, 0, 0, 0.1]) / 0.4)
