@@ -1,12 +1,15 @@
-"""GGUF files (llama.cpp): metadata, tensor names, dequantisation and the Q/K rotary un-permutation.
+"""GGUF files (llama.cpp): metadata into a ModelConfig, the tensor index under canonical names (names.py holds
+the name table), dequantisation and the Q/K rotary un-permutation.
 
 Facts this module relies on (gguf-py's gguf_reader.py and quants.py, llama.cpp's convert_hf_to_gguf.py):
 - GGUF lists dimensions innermost first (ne0 = row length), so an HF (out, in) matrix is stored as [in, out].
   `GGUFReader` exposes each tensor's data in numpy order, (out, in) -- quantised types as (out, bytes per row) --
   and `gguf.quants.dequantize` turns quantised rows back into float32 (out, in). No transpose is ever needed.
 - llama.cpp's converter reorders the rows of attn_q and attn_k (weights and biases) inside every head, from HF's
-  rotate-half layout to the interleaved pairs its RoPE kernel expects; `unpermute_rotary` undoes that.
-- A file without output.weight ties the output head to token_embd.
+  rotate-half layout to the interleaved pairs its RoPE kernel expects; `unpermute_rotary` undoes that for the
+  rows names.TABLE marks with rotary_heads.
+- Some facts are not in the metadata but in the tensor list: a file without output.weight ties the output head
+  to token_embd, attention/MLP biases exist when their tensors do, and rope_freqs holds per-frequency factors.
 """
 
 from __future__ import annotations

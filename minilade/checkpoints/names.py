@@ -59,7 +59,7 @@ TABLE: tuple[Module, ...] = (
     Module("model.norm", "output_norm", "norm", ("dim",)),
     Module("lm_head", "output", "output", ("vocab", "dim"), tied=True),
 )
-SUFFIXES = ("weight", "bias")
+_SUFFIXES = ("weight", "bias")
 # Fused parameter (template) -> how many modules it holds.
 _PARTS = Counter(module.ours for module in TABLE)
 # The first index between dots: "blk.3.attn_q.weight" and "model.layers.3.mlp.up_proj.bias" are in layer 3.
@@ -140,7 +140,7 @@ def _templated(name: str) -> tuple[str, int]:
 
 def _renaming(source: str, target: str) -> dict[str, str]:
     """Template in one naming (a Module field) -> template in another, for weights and biases."""
-    return {f"{getattr(m, source)}.{kind}": f"{getattr(m, target)}.{kind}" for m in TABLE for kind in SUFFIXES}
+    return {f"{getattr(m, source)}.{kind}": f"{getattr(m, target)}.{kind}" for m in TABLE for kind in _SUFFIXES}
 
 
 _GGUF_TO_CANONICAL = _renaming("gguf", "canonical")
@@ -167,7 +167,7 @@ def layout_flags(names: Collection[str]) -> dict[str, bool]:
     """The ModelConfig flags that a checkpoint's canonical tensor names imply (GGUF metadata does not state them):
     tie_word_embeddings when no head is stored; attention_bias / mlp_bias when layer 0 stores such a bias."""
     flags = {"tie_word_embeddings": not any(_name(m.canonical, 0, "weight") in names for m in TABLE if m.tied)}
-    for flag in {m.bias for m in TABLE if m.bias}:
+    for flag in dict.fromkeys(m.bias for m in TABLE if m.bias):
         flags[flag] = any(_name(m.canonical, 0, "bias") in names for m in TABLE if m.bias == flag)
     return flags
 
@@ -176,9 +176,10 @@ def model_state_dict(tensors: Iterable[tuple[str, torch.Tensor]], config: ModelC
                      dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
     """Our model's state dict from canonical-named tensors, converted to dtype/device as they arrive.
 
-    Fused parameters are concatenated along dim 0 in slot order once all their parts have arrived, so at most
-    one fused parameter's parts are held twice. Names outside the table for this config (e.g. rotary inv_freq
-    buffers) are skipped. Raises CheckpointError when a fused parameter misses a part.
+    A fused parameter is concatenated along dim 0, in slot order, as soon as all its parts have arrived; with
+    tensors in checkpoint_tensors' order only one layer's parts wait at a time. Names outside the table for
+    this config (e.g. rotary inv_freq buffers, a tied head) are skipped. Raises CheckpointError when a fused
+    parameter misses a part.
     """
     table = checkpoint_tensors(config)
     state: dict[str, torch.Tensor] = {}

@@ -63,6 +63,9 @@ def test_gguf_names_round_trip_and_match_gguf_name_map() -> None:
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.n_layers)
     names = list(checkpoint_tensors(config))
     assert len(names) == 3 + config.n_layers * (9 + 7)  # 2 norms + 7 linears with weight and bias per layer
+    layers = [int(name.split(".")[2]) for name in names[1:-2]]  # forward order: a layer's tensors together
+    assert names[0] == "model.embed_tokens.weight" and names[-2:] == ["model.norm.weight", "lm_head.weight"]
+    assert layers == sorted(layers)
     for name in names:
         stem, suffix = name.rsplit(".", 1)
         stored = gguf_name(name)
