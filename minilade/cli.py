@@ -100,10 +100,28 @@ def run_interactive(llm: LLM, args: argparse.Namespace, settings: GenerationSett
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
-        result = stream_to_stdout(TextStream(llm, llm.encode(messages), settings))
+        try:
+            result = stream_to_stdout(TextStream(llm, encode_recent_turns(llm, messages), settings))
+        except ValueError as error:  # this turn cannot be answered (too long, bad text): say so and go on
+            print(f"error: {error}", file=sys.stderr)
+            messages.pop()
+            continue
         print(flush=True)
         print(result.stats.summary(), file=sys.stderr)
         messages.append({"role": "assistant", "content": result.text})
+
+
+def encode_recent_turns(llm: LLM, messages: list[dict[str, str]]) -> list[int]:
+    """The conversation's prompt ids, dropping the oldest exchanges (never the system message or the newest user
+    turn) while it leaves less than a quarter of the context to answer in; says so on stderr when it drops."""
+    room = llm.model.config.max_seq_len * 3 // 4
+    ids = llm.encode(messages)
+    first = 1 if messages[0]["role"] == "system" else 0
+    while len(ids) > room and len(messages) - first > 1:
+        del messages[first:first + 2]  # the oldest user turn and the assistant's answer to it
+        ids = llm.encode(messages)
+        print("minilade: the conversation outgrew the context; dropped the oldest exchange", file=sys.stderr)
+    return ids
 
 
 def main(argv: Sequence[str] | None = None) -> int:

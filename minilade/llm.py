@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence, Union
 
 import torch
+from torch import nn
 
 from .checkpoints import DEFAULT_CHECKPOINT, build_model, open_checkpoint
 from .decoding import GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens, make_strategy
@@ -60,9 +61,7 @@ class LLM:
         dtype: float32, bfloat16, float16 (CUDA only) or None for the device's fast default.
         pack: keep a prepacked copy of the weights for multi-token steps (see device.py); None: where it pays
         (float32 on a CPU with oneDNN), at the cost of a second copy of the weights in memory."""
-        device = torch.device(device) if device is not None else default_device()
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda was asked for, but no CUDA device is available")
+        device = parse_device(device) if device is not None else default_device()
         dtype = resolve_dtype(dtype, device)
         if dtype == torch.float16 and device.type == "cpu":
             raise ValueError("float16 is supported on CUDA only; use float32 or bfloat16 on the CPU")
@@ -70,6 +69,7 @@ class LLM:
         metadata = checkpoint.source.metadata if checkpoint.format == "gguf" else None
         tokenizer = Tokenizer.from_checkpoint(checkpoint.path, gguf_metadata=metadata)
         model = build_model(checkpoint.config, checkpoint.tensors(), dtype=dtype, device=device)
+        drop_padded_logits(model, tokenizer.vocab_size)
         if pack if pack is not None else packing_available(dtype, device):
             pack_linears(model)
         return cls(model, tokenizer, str(checkpoint.path))
@@ -164,6 +164,30 @@ class TextStream:
         if len(text) > shown:
             yield text[shown:]
         self.result = Generation(text, ids, self.prompt_ids, self._run.finish_reason, self._run.stats)
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    """A device minilade can run on (cpu, cuda, cuda:N), or a one-line ValueError."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but no CUDA device is available")
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s) here")
+    return parsed
+
+
+def drop_padded_logits(model: Transformer, n_tokens: int) -> None:
+    """Many checkpoints pad the embedding to a round number of rows past the tokenizer's last token. Those rows
+    are no tokens at all, so the output head keeps only the first n_tokens rows (a view, no copy): no strategy
+    can then choose an id the tokenizer cannot decode, and greedy and sampled outputs stay what they would be
+    over the real vocabulary."""
+    if n_tokens < model.output.weight.shape[0]:
+        model.output.weight = nn.Parameter(model.output.weight[:n_tokens], requires_grad=False)
 
 
 def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:

@@ -6,6 +6,7 @@ so both draw from exactly the same distribution.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,12 +22,14 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.temperature == 0.0 and (self.top_k or self.top_p < 1.0):
             raise ValueError("top_k and top_p apply only when sampling: set a temperature > 0 (0 means greedy)")
 
@@ -38,9 +41,11 @@ class SamplingParams:
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities (..., V), float32, after temperature, then top-k, then top-p (the order Hugging Face uses).
 
-    Top-p keeps the smallest set of most likely tokens whose mass reaches top_p (at least one token).
+    Top-p keeps the smallest set of most likely tokens whose mass reaches top_p (at least one token). The logits
+    are shifted by their maximum before the division, so a tiny temperature cannot overflow to inf - inf.
     """
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

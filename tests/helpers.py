@@ -30,9 +30,11 @@ def run_tokens(model: Transformer, prompt: Sequence[int], strategy: Strategy, *,
     return tokens, run
 
 
-def write_tiny_checkpoint(folder: Path, words: str, max_positions: int, chat_template: str | None = None) -> Path:
+def write_tiny_checkpoint(folder: Path, words: str, max_positions: int, chat_template: str | None = None,
+                          vocab_padding: int = 0) -> Path:
     """A random tiny LLaMA folder as transformers writes it, with a byte-level BPE tokenizer trained on `words`
-    (and chat_template.jinja when given): a real checkpoint for CLI and script tests that needs no download."""
+    (and chat_template.jinja when given): a real checkpoint for CLI and script tests that needs no download.
+    vocab_padding: embedding rows past the tokenizer's last token, as many real checkpoints have."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -45,7 +47,7 @@ def write_tiny_checkpoint(folder: Path, words: str, max_positions: int, chat_tem
     tok.save(str(folder / "tokenizer.json"))
     if chat_template is not None:
         (folder / "chat_template.jinja").write_text(chat_template)
-    config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+    config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size() + vocab_padding, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=max_positions, eos_token_id=2, bos_token_id=1)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)

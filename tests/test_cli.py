@@ -72,6 +72,10 @@ def test_prompt_from_stdin_and_stats_on_stderr(tiny_checkpoint: Path) -> None:
     (["--strategy", "lookahead", "--window", "0"], "window W must be >= 1"),
     (["--strategy", "lookahead", "--guesses", "-1"], "guesses G must be >= 0"),
     (["--dtype", "float8"], "unknown dtype"),
+    (["--temperature", "1e-40", "--seed", "-1"], "seed must be in [0, 2**64)"),
+    (["--temperature", "inf"], "temperature must be >= 0 and finite"),
+    (["--device", "foo"], "unknown device 'foo'"),
+    (["--device", "meta"], "device 'meta' is not supported"),
 ])
 def test_bad_settings_fail_in_one_line(tiny_checkpoint: Path, args: list[str], fact: str) -> None:
     assert_one_line_error(run_cli("hello", *(["--ckpt", str(tiny_checkpoint)] + args)), fact)
@@ -118,3 +122,42 @@ def test_chat_without_template(tiny_checkpoint: Path) -> None:
 def test_main_returns_exit_code(tiny_checkpoint: Path, capsys) -> None:
     assert main(["a", "--ckpt", str(tiny_checkpoint), "--temperature", "1", "--top-p", "0"]) == 2
     assert capsys.readouterr().err.startswith("error: top_p")
+
+
+def test_a_tiny_temperature_samples_the_argmax(tiny_checkpoint: Path) -> None:
+    cold = run_cli("a b", "--ckpt", str(tiny_checkpoint), "--json", "--max-new-tokens", "6", "--temperature", "1e-40",
+                   "--seed", "3")
+    greedy = run_cli("a b", "--ckpt", str(tiny_checkpoint), "--json", "--max-new-tokens", "6")
+    assert cold.returncode == 0, cold.stderr
+    assert json.loads(cold.stdout)["token_ids"] == json.loads(greedy.stdout)["token_ids"]
+
+
+def test_a_prompt_that_is_not_utf8(tiny_checkpoint: Path) -> None:
+    """Bytes that are not UTF-8 on the command line arrive as lone surrogates; on stdin they fail to decode."""
+    assert main(["a \udcff b", "--ckpt", str(tiny_checkpoint)]) == 2
+    result = subprocess.run([sys.executable, "-m", "minilade.generate", "--ckpt", str(tiny_checkpoint)],
+                            input=b"a \xff\xfe b", capture_output=True, timeout=300)
+    assert result.returncode == 2 and b"Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and b"utf-8" in result.stderr.lower()
+
+
+def test_interactive_chat_drops_the_oldest_turns_when_the_context_fills(tmp_path: Path) -> None:
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    folder = write_tiny_checkpoint(tmp_path, "a b c d hello world", max_positions=64, chat_template=template)
+    turns = "".join(f"hello world a b c d {i}\n" for i in range(6)) + "\n"
+    result = run_cli("--interactive", "--ckpt", str(folder), "--max-new-tokens", "4", stdin=turns)
+    assert result.returncode == 0, result.stderr
+    replies = [line for line in result.stderr.splitlines() if line.startswith("[autoregressive]")]
+    assert len(replies) == 6 and "dropped the oldest exchange" in result.stderr
+    prompts = [int(line.split("prompt ")[1].split(" tok")[0]) for line in replies]
+    assert max(prompts) <= 64 * 3 // 4
+
+
+def test_padded_vocabulary_never_yields_an_undecodable_id(tmp_path: Path) -> None:
+    folder = write_tiny_checkpoint(tmp_path, "a b c d hello world", max_positions=64, vocab_padding=40)
+    llm = LLM.load(folder, progress=False)
+    n_tokens = llm.tokenizer.vocab_size
+    assert llm.model.config.vocab_size == n_tokens + 40 and llm.model.output.weight.shape[0] == n_tokens
+    for seed in range(5):
+        out = llm.generate("a b", max_new_tokens=16, temperature=2.0, seed=seed)
+        assert max(out.token_ids) < n_tokens

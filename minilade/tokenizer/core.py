@@ -53,6 +53,12 @@ class Tokenizer:
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of text. Special tokens written in it (e.g. "<|im_start|>") become their single ids.
         add_bos: prepend BOS; None follows the checkpoint (self.add_bos)."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"text to encode must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: how Python spells bytes that were not valid UTF-8
+            raise TokenizerError("the text is not valid UTF-8 (it holds undecodable bytes)") from None
         ids = self._encoder(text)
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_id is None:
