@@ -20,7 +20,7 @@ from typing import Any, Iterator, Sequence, Union
 import torch
 from torch import nn
 
-from .checkpoints import DEFAULT_CHECKPOINT, build_model, open_checkpoint
+from .checkpoints import DEFAULT_CHECKPOINT, open_checkpoint
 from .decoding import GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens, make_strategy
 from .decoding.loop import cache_for
 from .device import default_device, pack_linears, packing_available, resolve_dtype
@@ -68,7 +68,7 @@ class LLM:
         checkpoint = open_checkpoint(ckpt if ckpt is not None else DEFAULT_CHECKPOINT, progress=progress)
         metadata = checkpoint.source.metadata if checkpoint.format == "gguf" else None
         tokenizer = Tokenizer.from_checkpoint(checkpoint.path, gguf_metadata=metadata)
-        model = build_model(checkpoint.config, checkpoint.tensors(), dtype=dtype, device=device)
+        model = checkpoint.load_model(dtype=dtype, device=device)
         drop_padded_logits(model, tokenizer.vocab_size)
         if pack if pack is not None else packing_available(dtype, device):
             pack_linears(model)

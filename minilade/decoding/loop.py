@@ -133,7 +133,11 @@ def cache_for(model: Transformer, prompt_len: int, settings: GenerationSettings,
               cache: KVCache | None = None) -> KVCache:
     """A KV cache for one generation: `cache` when it is large enough, else a new one. It needs every position
     the generation may use plus room for one step's speculative rows."""
-    needed = min(model.config.max_seq_len, prompt_len + settings.max_new_tokens) + settings.strategy.max_step_tokens()
+    step, context = settings.strategy.max_step_tokens(), model.config.max_seq_len
+    if step > context:
+        raise ValueError(f"one step of {settings.strategy} feeds up to {step} tokens, more than the model's whole "
+                         f"context of {context}; choose a smaller window, n-gram size or number of guesses")
+    needed = min(context, prompt_len + settings.max_new_tokens) + step
     if cache is None or cache.capacity < needed:
         cache = model.new_cache(needed)
     cache.truncate(0)

@@ -55,3 +55,9 @@ def test_the_budget_and_the_context_end_a_generation() -> None:
     tokens, run = run_tokens(model, [1] * (limit - 5), Autoregressive(), max_new_tokens=50,
                              sampling=SamplingParams(temperature=1.0, seed=0))
     assert len(tokens) == 5 and run.finish_reason == "context"
+
+
+def test_a_step_larger_than_the_context_is_refused_before_any_allocation() -> None:
+    model = tiny_model(vocab=12, seed=1)  # a context of 256 tokens
+    with pytest.raises(ValueError, match=r"feeds up to 400004 tokens, more than the model's whole context of 256"):
+        run_tokens(model, [1, 2, 3], Lookahead(window=100000, ngram=5, guesses=1))
