@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 import weakref
 from pathlib import Path
@@ -73,7 +74,7 @@ def step_costs_for(model: Transformer, sizes: Sequence[int], cost_file: str | Pa
     known = _MEASURED.setdefault(model, {})
     key = cost_key(model)
     if cost_file is not None and not set(sizes) <= set(known):
-        known.update(_read_costs(Path(cost_file)).get(key, {}))
+        known.update((_read_costs(Path(cost_file)) or {}).get(key, {}))
     missing = [T for T in sizes if T not in known]
     if missing:
         known.update(measure_step_costs(model, sorted(set(missing) | {1})))
@@ -90,16 +91,29 @@ def cost_key(model: Transformer) -> str:
             f"{model.dtype}|{device}|threads {torch.get_num_threads()}|torch {torch.__version__}")
 
 
-def _read_costs(path: Path) -> dict[str, dict[int, float]]:
+def _read_costs(path: Path) -> dict[str, dict[int, float]] | None:
+    """The cost table kept in `path`: {} when there is no file yet, None when the file is not a cost table.
+    Entries that are not a positive whole size with positive, finite seconds are left out (measured again)."""
     try:
-        raw = json.loads(path.read_text())
-        return {k: {int(t): float(s) for t, s in v.items()} for k, v in raw.items()}
-    except (OSError, ValueError, AttributeError):
-        return {}  # no file yet, or an unreadable one: measure again
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        return None
+    return {key: {int(t): float(s) for t, s in entries.items() if _valid_entry(t, s)} for key, entries in raw.items()}
+
+
+def _valid_entry(tokens: str, seconds: object) -> bool:
+    return (tokens.isdigit() and int(tokens) > 0 and isinstance(seconds, (int, float))
+            and not isinstance(seconds, bool) and 0 < seconds < math.inf)
 
 
 def _write_costs(path: Path, key: str, seconds: dict[int, float]) -> None:
     table = _read_costs(path)
+    if table is None:
+        raise ValueError(f"{path} is not a step-cost table; refusing to overwrite it (give auto another cost_file)")
     table[key] = seconds
     tmp = path.with_suffix(".tmp")
     try:

@@ -125,3 +125,24 @@ def test_measure_step_costs_times_each_size_after_a_warm_up(monkeypatch) -> None
     assert fed[1:] == [(T, 16, 16) for _ in range(4) for T in (1, 3, 8)]  # round-robin, warm-up round first
     # Passes after the context took 5, 9, 3 (warm-up), then 2, 7, 1 | 8, 4, 6 | 11, 10, 12 for sizes 1, 3, 8.
     assert seconds == {1: 8.0, 3: 7.0, 8: 6.0}
+
+
+def test_a_cost_file_with_bad_entries_is_measured_again(monkeypatch, tmp_path) -> None:
+    model = tiny_model(vocab=12, seed=1)
+    key = step_costs.cost_key(model)
+    cost_file = tmp_path / "costs.json"
+    cost_file.write_text(json.dumps({key: {"1": None, "4": 0, "9": "fast", "x": 1.0, "16": 0.5}}))
+    measured = []
+    monkeypatch.setattr(step_costs, "measure_step_costs",
+                        lambda model, sizes, **kw: measured.extend(sizes) or {T: 0.01 * T for T in sizes})
+    costs = step_costs_for(model, [1, 4, 9, 16], cost_file)
+    assert sorted(measured) == [1, 4, 9] and costs(16) == 0.5 and costs(4) == 0.04
+
+
+def test_a_file_that_is_not_a_cost_table_is_not_overwritten(tmp_path) -> None:
+    model = tiny_model(vocab=12, seed=1)
+    precious = tmp_path / "notes.json"
+    precious.write_text('["not", "a", "cost", "table"]')
+    with pytest.raises(ValueError, match="is not a step-cost table; refusing to overwrite it"):
+        step_costs_for(model, [1, 2], precious)
+    assert precious.read_text() == '["not", "a", "cost", "table"]'
