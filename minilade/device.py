@@ -1,18 +1,28 @@
-"""Device and dtype policy, and prepacked weights for multi-token steps on the CPU.
+"""Device and dtype policy, and making a loaded model batch-invariant (exact lookahead) on the machine it runs on.
 
-A CPU matrix multiply of a few rows by a large weight spends much of its time re-laying out ("packing") the weight
-on every call; for one row (a plain decoding step) the library uses a matrix-vector product that needs no packing.
-Lookahead steps feed 4 to 60 rows, where that packing is pure overhead. Keeping a copy of each weight prepacked by
-oneDNN makes such steps 15-25% cheaper on a 2-core x86 CPU (measured on SmolLM2-135M, float32), at the price of a
-second copy of the weights in memory. One- and two-row inputs keep using the plain weight, which is faster there.
+Lookahead's output equals plain decoding's only if a token's logits do not depend on the shape of the step that
+computed them. Attention is made so by construction (minilade/invariance.py); weight matmuls depend on the kernel
+the library picks, so `make_invariant` measures, per weight shape, a row tiling under which rows come out the same
+at every row count (`find_tiling`), for the plain kernel and for oneDNN's prepacked one, keeps the faster, and then
+checks the whole model: a token's logits from a one-row step must equal its row in a wide masked step, bitwise
+(`check_invariance`). What it found is kept per machine in a small JSON file, like the step costs.
+On CUDA nothing of this is applied: the stock kernels stay (untested here; see docs).
 """
 
 from __future__ import annotations
 
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .decoding.step_costs import cost_key, measure_step_costs
+from .invariance import RowTiledLinear, RowTiling, find_tiling, linear_kernel, prepack, tiled_matmul
 from .model import Transformer
 
 
@@ -20,23 +30,17 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def default_dtype(device: torch.device | str) -> torch.dtype:
-    """bfloat16 where the hardware computes in it natively; float32 on CPUs that would only emulate it."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
-        return torch.bfloat16
-    return torch.float32
-
-
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The dtype to load in. "auto" (or None): on CUDA bfloat16 where supported, else float16; on the CPU float32,
+    after which `choose_dtype` may measure that another dtype is faster and exact."""
     if dtype is None or dtype == "auto":
-        return default_dtype(device)
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
     try:
@@ -46,32 +50,255 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Prepacking pays for float32 on CPUs with oneDNN (for bfloat16 without native support it does not)."""
+    """oneDNN prepacking exists for float32 weights on the CPU in this torch build."""
     return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-class PackedLinear(nn.Module):
-    """A linear layer with its weight also kept in oneDNN's prepacked layout, used from `min_rows` input rows on."""
-
-    def __init__(self, linear: nn.Linear, min_rows: int = 3, rows_hint: int = 16) -> None:
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-        self.min_rows = min_rows
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows_hint)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows < self.min_rows:
-            return F.linear(x, self.weight, self.bias)
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], "")
-        return y.view(*x.shape[:-1], y.shape[-1])
+# ---- choosing row tilings -------------------------------------------------------------------------------------
 
 
-def pack_linears(model: Transformer, min_rows: int = 3) -> Transformer:
-    """Give every linear layer of the model (attention, MLP, output head) a prepacked copy of its weight."""
-    for module in list(model.modules()):
-        for name, child in module.named_children():
-            if type(child) is nn.Linear:
-                setattr(module, name, PackedLinear(child, min_rows))
+def linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, layer) for every plain or already tiled linear layer."""
+    return [(module, name, child) for module in model.modules() for name, child in module.named_children()
+            if isinstance(child, (nn.Linear, RowTiledLinear))]
+
+
+def shape_key(weight: torch.Tensor) -> str:
+    return f"{weight.shape[0]}x{weight.shape[1]}"
+
+
+def probe_tilings(model: Transformer, packed: bool) -> dict[str, RowTiling] | None:
+    """An invariant tiling for each weight shape of the model with one kernel, or None if a shape has none."""
+    found: dict[str, RowTiling] = {}
+    for _, _, layer in linear_layers(model):
+        key = shape_key(layer.weight)
+        if key not in found:
+            tiling = find_tiling(layer.weight, packed)
+            if tiling is None:
+                return None
+            found[key] = tiling
+    return found
+
+
+def linear_seconds(model: Transformer, tilings: dict[str, RowTiling], sizes=(1, 4, 16, 64), repeats: int = 5
+                   ) -> float:
+    """Sum over row counts of the median time of one block's linear layers and the output head, tiled."""
+    layers = [layer for _, _, layer in linear_layers(model.layers[0])] + [model.output]
+    total = 0.0
+    with torch.inference_mode():
+        for M in sizes:
+            runs = []
+            for layer in layers:
+                tiling = tilings[shape_key(layer.weight)]
+                kernel = linear_kernel(layer.weight, layer.bias, prepack(layer.weight) if tiling.packed else None)
+                x = torch.randn(M, layer.weight.shape[1], dtype=model.dtype)
+                samples = []
+                for rep in range(repeats + 1):
+                    start = time.perf_counter()
+                    tiled_matmul(x, kernel, tiling)
+                    if rep:
+                        samples.append(time.perf_counter() - start)
+                runs.append(statistics.median(samples))
+            total += sum(runs)
+    return total
+
+
+def choose_tilings(model: Transformer) -> list[dict[str, RowTiling]]:
+    """Invariant tilings per kernel (plain, and prepacked where available), the faster first."""
+    options = [probe_tilings(model, packed) for packed in (False, True)
+               if not packed or packing_available(model.dtype, model.device)]
+    options = [o for o in options if o is not None]
+    return sorted(options, key=lambda o: linear_seconds(model, o)) if len(options) > 1 else options
+
+
+def apply_tilings(model: Transformer, tilings: dict[str, RowTiling]) -> Transformer:
+    """Replace every linear layer by a RowTiledLinear under its shape's tiling (tied weights stay tied)."""
+    for parent, name, layer in linear_layers(model):
+        linear = layer if isinstance(layer, nn.Linear) else _as_linear(layer)
+        setattr(parent, name, RowTiledLinear(linear, tilings[shape_key(layer.weight)]))
+    return model
+
+
+def _as_linear(layer: RowTiledLinear) -> nn.Linear:
+    linear = nn.Linear(layer.weight.shape[1], layer.weight.shape[0], bias=layer.bias is not None,
+                       device="meta")
+    linear.weight, linear.bias = layer.weight, layer.bias
+    return linear
+
+
+# ---- the whole-model check -----------------------------------------------------------------------------------
+
+
+def interleaved_step(past: int, T: int, lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (T,) and mask (T, T) of a lookahead-shaped step: row r is in lane r % lanes, the input token
+    (row 0) opens lane 0; each lane is a chain of consecutive positions seeing row 0 and its own earlier rows, so
+    every row's visible rows are interleaved with rows it must not see."""
+    r = torch.arange(T)
+    lane, index = r % lanes, r // lanes
+    positions = past + index + (lane > 0).long()
+    mask = (lane[:, None] == lane[None, :]) & (index[None, :] <= index[:, None])
+    mask[:, 0] = True
+    return positions, mask
+
+
+def check_invariance(model: Transformer, contexts=(5, 70), width: int = 16, lanes: int = 4, seed: int = 0
+                     ) -> bool:
+    """A token's logits from one-row steps equal, bitwise, its rows in a wide interleaved step (lanes 0 and 1
+    carry the same chain) and in a causal multi-row step, after prompts of each context length."""
+    device, vocab = model.device, model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    n = -(-width // lanes) + 1  # chain length: lane 0's rows and one more
+    with torch.inference_mode():
+        for past in contexts:
+            prompt = torch.randint(vocab, (1, past), generator=gen).to(device)
+            chain = torch.randint(vocab, (n,), generator=gen).to(device)
+            one_row = _one_row_steps(model, prompt, chain)  # (n, V)
+            positions, mask = interleaved_step(past, width, lanes)
+            tokens = torch.randint(vocab, (width,), generator=gen).to(device)
+            lane0, lane1 = torch.arange(0, width, lanes), torch.arange(1, width, lanes)
+            tokens[lane0], tokens[lane1] = chain[:len(lane0)], chain[1:1 + len(lane1)]
+            wide = _after(model, prompt, tokens[None], mask.to(device), positions)
+            causal = _after(model, prompt, chain[None], None, torch.arange(past, past + n))
+            same = (torch.equal(wide[lane0], one_row[:len(lane0)]) and torch.equal(causal, one_row)
+                    and torch.equal(wide[lane1], one_row[1:1 + len(lane1)]))
+            if not same:
+                return False
+    return True
+
+
+def _prefilled(model: Transformer, prompt: torch.Tensor, room: int):
+    cache = model.new_cache(prompt.shape[1] + room)
+    model(prompt, torch.arange(prompt.shape[1], device=model.device), cache)
+    cache.commit(prompt.shape[1])
+    return cache
+
+
+def _after(model: Transformer, prompt: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | None,
+           positions: torch.Tensor) -> torch.Tensor:
+    """Logits (T, V) of one step of tokens (1, T) after prefilling `prompt` (1, P)."""
+    cache = _prefilled(model, prompt, tokens.shape[1])
+    return model(tokens, positions.to(model.device), cache, mask)[0]
+
+
+def _one_row_steps(model: Transformer, prompt: torch.Tensor, chain: torch.Tensor) -> torch.Tensor:
+    """Logits (n, V) of feeding chain (n,) one token per step after prefilling `prompt`."""
+    cache, rows = _prefilled(model, prompt, chain.numel()), []
+    for token in chain.tolist():
+        position = torch.tensor([cache.length], device=model.device)
+        rows.append(model(torch.tensor([[token]], device=model.device), position, cache)[0, 0])
+        cache.commit(1)
+    return torch.stack(rows)
+
+
+# ---- policy: tilings, the check, the dtype ----------------------------------------------------------------------
+
+
+@dataclass
+class Invariance:
+    """What make_invariant found: the tiling per weight shape, and whether the model passed the check."""
+
+    exact: bool
+    tilings: dict[str, RowTiling]
+
+    def as_json(self) -> dict:
+        return {"exact": self.exact, "tilings": {k: [t.rows, t.split, t.packed] for k, t in self.tilings.items()}}
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "Invariance":
+        return cls(bool(raw["exact"]), {k: RowTiling(int(r), bool(s), bool(p)) for k, (r, s, p) in
+                                        raw["tilings"].items()})
+
+
+def make_invariant(model: Transformer, check_file: str | Path | None = None, *, warn: bool = True
+                   ) -> Invariance:
+    """Give the model's linear layers row tilings under which it passes check_invariance (the faster kernel
+    first), and return what was found; kept in check_file (JSON, per model shape, dtype, machine) when given.
+    If no tiling passes, the model keeps the fastest and, with `warn`, one line on stderr says it is not exact.
+    On CUDA the model is left as it is and reported not exact (not verified there)."""
+    if model.device.type != "cpu":
+        return Invariance(False, {})
+    key = cost_key(model)
+    known = _read_json(check_file).get(key) if check_file is not None else None
+    if known is not None:
+        found = Invariance.from_json(known)
+        apply_tilings(model, found.tilings)
+    else:
+        found = None
+        for tilings in choose_tilings(model):
+            apply_tilings(model, tilings)
+            found = Invariance(check_invariance(model), tilings)
+            if found.exact:
+                break
+        found = found or Invariance(False, {})
+        if check_file is not None:
+            _write_json(check_file, key, found.as_json())
+    if not found.exact and warn:
+        print(f"minilade: {model.dtype} on this {model.device.type} is not batch-invariant: lookahead output "
+              f"may differ from plain decoding at near-ties (float32 is exact here)", file=sys.stderr)
+    return found
+
+
+def choose_dtype(model: Transformer, check_file: str | Path | None = None,
+                 candidates=(torch.bfloat16, torch.float32)) -> Transformer:
+    """The fastest dtype in which the model is exact on this CPU, measured: a copy of the (float32) model in each
+    candidate dtype is made invariant and checked, then timed on a one-row and a 32-row step; the winner is
+    returned (the float32 model itself when it wins). Kept in check_file with the invariance verdicts."""
+    best, best_cost = None, float("inf")
+    for dtype in candidates:
+        candidate = model if dtype == model.dtype else _converted(model, dtype)
+        if not make_invariant(candidate, check_file, warn=False).exact:
+            continue
+        cost = _step_seconds(candidate, check_file)
+        if cost < best_cost:
+            best, best_cost = candidate, cost
+    if best is None:
+        make_invariant(model, check_file)  # says once that it is not exact
+        return model
+    return best
+
+
+def _converted(model: Transformer, dtype: torch.dtype) -> Transformer:
+    copy = Transformer(model.config).to(device=model.device)
+    copy.load_state_dict(model.state_dict())
+    copy = copy.to(dtype).eval()
+    copy.setup_rope()
+    return copy
+
+
+def _step_seconds(model: Transformer, check_file: str | Path | None) -> float:
+    """Seconds of a one-row plus a 32-row step after 128 tokens (kept in check_file under "<key>|steps")."""
+    key = cost_key(model) + "|steps"
+    known = _read_json(check_file).get(key) if check_file is not None else None
+    if known is None:
+        known = sum(measure_step_costs(model, (1, 32), context=128, repeats=2).values())
+        if check_file is not None:
+            _write_json(check_file, key, known)
+    return float(known)
+
+
+def _read_json(path: str | Path) -> dict:
+    try:
+        raw = json.loads(Path(path).read_text())
+        return raw if isinstance(raw, dict) else {}
+    except (OSError, ValueError):
+        return {}  # no file yet, or an unreadable one: measure again
+
+
+def _write_json(path: str | Path, key: str, value) -> None:
+    path = Path(path)
+    table = _read_json(path)
+    table[key] = value
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        pass  # a file that cannot be written only costs a new check next time
+
+
+def pack_linears(model: Transformer) -> Transformer:
+    """Kept for callers of the former prepacking step: now makes the model batch-invariant (make_invariant),
+    which prepacks the weights where that is the faster invariant kernel."""
+    make_invariant(model)
     return model

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .invariance import invariant_attention, step_visibility
 from .kv_cache import KVCache
 
 
@@ -66,18 +67,21 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
                 mask: torch.Tensor | None) -> torch.Tensor:
+        """mask: for the first pass (empty cache), (T, T) bool or None for causal; after it, (T, past + T) bool,
+        which keys each row sees (Transformer.attention_mask)."""
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         n_qk = self.n_heads + self.n_kv_heads
         qk = apply_rope(qkv[:, :, :n_qk], cos, sin).transpose(1, 2)  # (B, H + Hkv, T, D)
         q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
         v = qkv[:, :, n_qk:].transpose(1, 2)  # (B, Hkv, T, D)
-        first_pass = cache.length == 0
-        keys, values = cache.write(layer, k, v)  # (B, Hkv, S, D), S = cache.length + T
-        y = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=mask is None and first_pass and T > 1,
-            enable_gqa=self.n_heads != self.n_kv_heads,
-        )
+        past = cache.length
+        keys, values = cache.write(layer, k, v)  # (B, Hkv, S, D), S = past + T
+        if past:  # a decoding step: every row's result independent of the step's shape (invariance.py)
+            y = invariant_attention(q, keys, values, mask, past)
+        else:  # the prefill: any kernel, since both lookahead and plain decoding read the same prompt K/V
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1,
+                                               enable_gqa=self.n_heads != self.n_kv_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -164,26 +168,22 @@ class Transformer(nn.Module):
         if input_pos.dim() == 1:
             input_pos = input_pos.unsqueeze(0)
         cos, sin = self.rope_cos[input_pos].unsqueeze(2), self.rope_sin[input_pos].unsqueeze(2)  # (B|1, T, 1, D)
-        full_mask = self._full_mask(mask, cache.length, T)
+        attn_mask = self.attention_mask(mask, cache.length, T)
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, full_mask)
+            x = layer(x, cos, sin, cache, i, attn_mask)
         if logits_rows is not None:
             x = x[:, logits_rows]
         return self.output(self.norm(x))
 
-    def _full_mask(self, mask: torch.Tensor | None, past: int, T: int) -> torch.Tensor | None:
-        """Extend a step mask (T, T) over the committed prefix: (T, past + T). None means plain causal,
-        which SDPA handles itself when there is no prefix (or a single row)."""
-        if mask is None:
-            if past == 0 or T == 1:
-                return None
-            mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril_()
-        if mask.shape != (T, T):
+    def attention_mask(self, mask: torch.Tensor | None, past: int, T: int) -> torch.Tensor | None:
+        """What attention needs from a step mask (T, T) (None: causal): for the first pass the mask itself;
+        after it, which keys of the cache and the step each row sees, (T, past + T)."""
+        if past:
+            return step_visibility(mask, past, T, self.device)
+        if mask is not None and mask.shape != (T, T):
             raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({T}, {T}) for {T} tokens")
-        full = torch.ones(T, past + T, dtype=torch.bool, device=self.device)
-        full[:, past:] = mask
-        return full
+        return mask
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> "Transformer":
         """Random weights (for tests and benchmarks), reproducible from the seed."""

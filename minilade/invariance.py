@@ -1,0 +1,167 @@
+"""Batch-invariant kernels: a row's result is bitwise independent of how many rows the call has and where it sits.
+
+Lookahead promises exactly the output of plain decoding. A token computed as one row of a wide step must therefore
+get the logits it gets in a one-row step, bit for bit; otherwise near-tie argmaxes flip (in bfloat16, often).
+Stock kernels break that in two places:
+- a weight matmul's row results can depend on the call's row count (BLAS libraries pick kernels and blockings by
+  shape). `RowTiledLinear` calls its kernel only on row counts measured to give the same rows (`find_tiling`);
+- attention's key reduction depends on the step's layout: SDPA groups keys in blocks, so masked keys between
+  visible ones, and where a row's keys split between cache and step, change the rounding. `invariant_attention`
+  reduces each row over the keys it sees, counted in order, in fixed chunks merged by a sequential sum.
+RMSNorm, rotary embeddings, SiLU and residual adds work row by row already. The load-time check that the whole
+model is invariant (one-row step == its row in a wide step) is `minilade.device.check_invariance`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KEY_CHUNK = 64  # keys per chunk of attention's reduction; the k-th key a row sees falls in chunk k // KEY_CHUNK
+# Attention's matmuls run on row counts that are multiples of ROW_TILE and inner and column counts that are
+# multiples of COL_TILE: with fewer, float32 matmuls on an AVX2 CPU (torch 2.13) take other kernels (torch's own loop
+# below 400 multiply-adds, BLAS edge kernels) that round a row differently; with these, rows and columns came out
+# bitwise equal whatever the call's size (measured; the load-time check in device.py verifies the whole model on
+# the machine it runs on).
+ROW_TILE = 4
+COL_TILE = 16
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def step_visibility(mask: torch.Tensor | None, past: int, T: int, device: torch.device) -> torch.Tensor:
+    """(T, past + T) bool: every row sees the committed cache, then the step rows its mask allows
+    (None: causal)."""
+    if mask is None:
+        mask = torch.ones(T, T, dtype=torch.bool, device=device).tril_()
+    if mask.shape != (T, T):
+        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({T}, {T}) for {T} tokens")
+    return torch.cat([torch.ones(T, past, dtype=torch.bool, device=device), mask.to(device)], dim=1)
+
+
+def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                        past: int, chunk: int = KEY_CHUNK) -> torch.Tensor:
+    """Softmax attention whose every row depends only on the keys that row sees, in slot order.
+
+    q: (B, H, T, D); keys, values: (B, Hkv, S, D) with S = past + T (the cache, then the step's rows);
+    visible: (T, S) bool. Returns (B, H, T, D) in q's dtype.
+
+    Row r's visible keys, in slot order, are numbered 0, 1, ...; in a causal or lookahead step that is position
+    order, the same sequence a one-row step at r's position sees. Key k falls in chunk k // chunk. Scores use the
+    row's exact maximum; each chunk's weighted sum of values (and of weights: a column of ones) is one matmul in
+    which hidden keys weigh exactly 0; chunks are added in order by a sequential scan (cumsum). Chunks made only of
+    committed keys are shared by all rows and computed together; the rest (the "tail") per chunk over the whole tail,
+    hidden keys zeroed. Reduced-precision inputs are computed in float32.
+    """
+    B, H, T, D = q.shape
+    Hkv, S = keys.shape[1], keys.shape[2]
+    G = H // Hkv
+    R, Sp, Dp = round_up(G * T, ROW_TILE), round_up(S, COL_TILE), round_up(D + 1, COL_TILE)
+    work = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
+    q = F.pad(q.reshape(B, Hkv, G * T, D).to(work) * D ** -0.5, (0, 0, 0, R - G * T))  # heads under their key head
+    k = F.pad(keys.to(work), (0, 0, 0, Sp - S))  # (B, Hkv, Sp, D)
+    ones = keys.new_ones(B, Hkv, S, 1, dtype=work)  # a column that sums the weights
+    v1 = F.pad(torch.cat([values.to(work), ones], dim=-1), (0, Dp - D - 1, 0, Sp - S))  # (B, Hkv, Sp, Dp)
+    seen = visible.repeat(G, 1)
+    seen = F.pad(torch.cat([seen, seen[:1].expand(R - G * T, S)]), (0, Sp - S))  # (R, Sp); padding rows copy row 0
+    scores = (q @ k.transpose(-1, -2)).masked_fill_(~seen, float("-inf"))  # (B, Hkv, R, Sp)
+    weights = (scores - scores.amax(-1, keepdim=True)).exp_()  # exactly 0 where hidden
+
+    n_shared = past // chunk
+    L0 = n_shared * chunk
+    parts = []
+    if n_shared:
+        w = weights[..., :L0].unflatten(-1, (n_shared, chunk)).transpose(2, 3)  # (B, Hkv, n, R, C)
+        parts.append(w @ v1[:, :, :L0].unflatten(2, (n_shared, chunk)))  # (B, Hkv, n, R, Dp)
+    tail_seen = seen[:, L0:]
+    tail_chunk = (tail_seen.cumsum(-1) - 1).div_(chunk, rounding_mode="floor").masked_fill_(~tail_seen, -1)
+    n_tail = int(tail_chunk.max()) + 1
+    select = tail_chunk == torch.arange(n_tail, device=q.device)[:, None, None]  # (n_tail, R, Sp - L0)
+    w = weights[..., L0:].unsqueeze(2) * select  # (B, Hkv, n_tail, R, Sp - L0)
+    parts.append(w @ v1[:, :, L0:].unsqueeze(2))
+    total = torch.cat(parts, dim=2).cumsum(dim=2)[:, :, -1, :G * T]  # (B, Hkv, G*T, Dp), chunks added in order
+    out = total[..., :D] / total[..., D:D + 1]
+    return out.reshape(B, H, T, D).to(keys.dtype)
+
+
+# ---- weight matmuls in fixed row tiles ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowTiling:
+    """How a weight matmul is called so that a row's result never depends on the call's row count.
+
+    rows: every call gets at least this many rows (fewer are padded with zero rows). split: calls of exactly
+    `rows` rows each, the last one padded, for kernels whose rows change with the row count even above `rows`.
+    packed: use oneDNN's prepacked weight instead of F.linear.
+    """
+
+    rows: int = 1
+    split: bool = False
+    packed: bool = False
+
+    def __str__(self) -> str:
+        return f"{'packed' if self.packed else 'plain'} rows {'=' if self.split else '>='} {self.rows}"
+
+
+# Tried in this order (cheapest padding first); the first whose rows come out the same at every row count wins.
+TILINGS = [RowTiling(t) for t in (1, 2, 4, 8, 16)] + [RowTiling(t, split=True) for t in (4, 8, 16, 32)]
+PROBE_ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64)
+
+
+def tiled_matmul(x: torch.Tensor, kernel, tiling: RowTiling) -> torch.Tensor:
+    """kernel applied to x: (..., K) -> (..., N), its rows padded or split as the tiling says."""
+    rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1])
+    target = round_up(rows, tiling.rows) if tiling.split else max(rows, tiling.rows)
+    if target > rows:
+        flat = F.pad(flat, (0, 0, 0, target - rows))
+    if tiling.split and target > tiling.rows:
+        y = torch.cat([kernel(tile) for tile in flat.split(tiling.rows)])
+    else:
+        y = kernel(flat)
+    return y[:rows].view(*x.shape[:-1], y.shape[-1])
+
+
+def linear_kernel(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
+    """x (M, K) -> (M, N): F.linear, or oneDNN's matmul on a prepacked copy of the weight."""
+    if packed is None:
+        return lambda x: F.linear(x, weight, bias)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
+
+
+def find_tiling(weight: torch.Tensor, packed: bool, seed: int = 0) -> RowTiling | None:
+    """The first tiling under which every row of random inputs comes out bitwise the same whatever the call's
+    row count and the row's place in it (PROBE_ROWS counts at several offsets), or None."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2 * max(PROBE_ROWS), weight.shape[1], generator=gen).to(weight.dtype, copy=True)
+    kernel = linear_kernel(weight, None, prepack(weight) if packed else None)
+    with torch.inference_mode():
+        for tiling in TILINGS:
+            tiling = RowTiling(tiling.rows, tiling.split, packed)
+            whole = tiled_matmul(x, kernel, tiling)
+            if all(torch.equal(tiled_matmul(x[at:at + M], kernel, tiling), whole[at:at + M])
+                   for M in PROBE_ROWS for at in (0, M)):
+                return tiling
+    return None
+
+
+class RowTiledLinear(nn.Module):
+    """A linear layer whose every call runs under one RowTiling, so each row's result is row-count invariant."""
+
+    def __init__(self, linear: nn.Linear, tiling: RowTiling) -> None:
+        super().__init__()
+        self.weight, self.bias, self.tiling = linear.weight, linear.bias, tiling
+        self.packed = prepack(linear.weight) if tiling.packed else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled_matmul(x, linear_kernel(self.weight, self.bias, self.packed), self.tiling)
