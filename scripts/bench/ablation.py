@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Where does minilade's compression over the published reference come from?
 
 Greedy lookahead at each --settings, on the prompt sets, in four variants that differ only in the two things the
@@ -9,26 +8,37 @@ reference does differently (see ../shared/LOOKAHEAD.md):
 - no prompt pool: the pool starts empty and is fed by the window and the generated text only;
 - reference-like: neither.
 Compression is new tokens / forward passes, prefill included. Greedy output is the same in every variant (each
-is exact), so only the number of forward passes differs; the script checks that too. Nothing is timed.
+is exact), so only the number of forward passes differs; the job checks that too (exit status 1 if not). Nothing
+is timed.
 
-    python scripts/ablation.py --settings 7,5,7 --n-prompts 20
+    python -m scripts.bench.ablation --settings 7,5,7 --n-prompts 20
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import sys
 from pathlib import Path
 from typing import Sequence
 
 import torch
-from tqdm import tqdm
 
 from minilade import LLM, Lookahead
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exactness import load_prompts, missing_prompt_sets, prompt_set_parser  # noqa: E402  (a sibling script)
+from .common import (
+    JobParser,
+    Setting,
+    add_prompt_options,
+    add_settings_option,
+    command_line,
+    encode_prompts,
+    load_prompt_texts,
+    progress,
+    run_job,
+    write_json,
+)
 
+MODULE = "scripts.bench.ablation"
 VARIANTS = {
     "minilade": lambda s: Lookahead(*s),
     "no bonus token": lambda s: Lookahead(*s, bonus_token=False),
@@ -37,11 +47,21 @@ VARIANTS = {
 }
 
 
-def measure(llm: LLM, prompts: dict[str, list[list[int]]], settings: list[tuple[int, int, int]],
-            max_new_tokens: int) -> list[dict]:
+def build_parser() -> argparse.ArgumentParser:
+    p = JobParser(MODULE, __doc__)
+    add_prompt_options(p, n_prompts=20)
+    add_settings_option(p, [(7, 5, 7)])
+    p.add_argument("--out", type=Path, default=None, help="write the records as JSON here")
+    return p
+
+
+def measure(llm: LLM, prompts: dict[str, list[list[int]]], settings: list[Setting], max_new_tokens: int,
+            show_progress: bool = True) -> list[dict]:
+    """One record per (prompt, setting, variant): new tokens, forward passes, the most tokens a step emitted, and
+    whether the output equals the minilade variant's."""
     records = []
     total = sum(len(v) for v in prompts.values()) * len(settings) * len(VARIANTS)
-    with torch.inference_mode(), tqdm(total=total, desc="ablation", file=sys.stderr) as bar:
+    with torch.inference_mode(), progress(total, "ablation", show_progress) as bar:
         for name, group in prompts.items():
             for i, prompt in enumerate(group):
                 for setting in settings:
@@ -58,6 +78,7 @@ def measure(llm: LLM, prompts: dict[str, list[list[int]]], settings: list[tuple[
 
 
 def table(records: list[dict]) -> str:
+    """Compression (new tokens / forward passes, summed over prompts) per (dataset, setting) and variant."""
     lines = ["| dataset | setting | " + " | ".join(VARIANTS) + " | same output |", "|" + " --- |" * (len(VARIANTS) + 3)]
     for name, setting in dict.fromkeys((r["dataset"], r["setting"]) for r in records):
         rows = [r for r in records if r["dataset"] == name and r["setting"] == setting]
@@ -70,22 +91,21 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = prompt_set_parser(__doc__, n_prompts=20).parse_args(argv)
-    missing = missing_prompt_sets(args)
-    if missing:
-        print(f"error: prompt set not found: {', '.join(missing)}", file=sys.stderr)
-        return 2
-    settings = [tuple(int(v) for v in s.split(",")) for s in args.settings]
+def job(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    texts = load_prompt_texts(args.data_dir, args.datasets, args.n_prompts)
     llm = LLM.load(args.ckpt, dtype="float32", device="cpu", progress=False)
-    prompts = {name: load_prompts(llm, args.data_dir, name, args.n_prompts) for name in args.datasets}
-    records = measure(llm, prompts, settings, args.max_new_tokens)
+    prompts = encode_prompts(llm, texts)
+    records = measure(llm, prompts, args.settings, args.max_new_tokens, not args.no_progress)
     print("\nfloat32, greedy, compression = new tokens / forward passes (prefill included)\n")
     print(table(records))
     if args.out:
-        command = " ".join(["python scripts/ablation.py", *(argv if argv is not None else sys.argv[1:])])
-        args.out.write_text(json.dumps(dict(command=command, records=records), indent=1))
+        write_json(args.out, dict(command=command_line(MODULE, argv), records=records), indent=1)
     return 0 if all(r["same_output"] for r in records) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_job(job, argv)
 
 
 if __name__ == "__main__":
