@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence, Union
@@ -20,7 +21,8 @@ from typing import Any, Iterator, Sequence, Union
 import torch
 from torch import nn
 
-from .checkpoints import DEFAULT_CHECKPOINT, open_checkpoint
+from .checkpoints import DEFAULT_CHECKPOINT, build_model, open_checkpoint
+from .checkpoints.hf import config_from_hf
 from .decoding import GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens, make_strategy
 from .decoding.loop import cache_for
 from .device import default_device, pack_linears, packing_available, resolve_dtype
@@ -55,24 +57,46 @@ class LLM:
 
     @classmethod
     def load(cls, ckpt: str | Path | None = None, *, dtype: str | torch.dtype | None = None,
-             device: str | torch.device | None = None, progress: bool = True, pack: bool | None = None) -> "LLM":
+             device: str | torch.device | None = None, progress: bool = True, pack: bool | None = None) -> LLM:
         """ckpt: a .gguf file, a folder with config.json and safetensors, a Hugging Face repo id
         (owner/name[@revision]), or None for the demo model (downloaded on first use).
         dtype: float32, bfloat16, float16 (CUDA only) or None for the device's fast default.
         pack: keep a prepacked copy of the weights for multi-token steps (see device.py); None: where it pays
         (float32 on a CPU with oneDNN), at the cost of a second copy of the weights in memory."""
-        device = parse_device(device) if device is not None else default_device()
-        dtype = resolve_dtype(dtype, device)
-        if dtype == torch.float16 and device.type == "cpu":
-            raise ValueError("float16 is supported on CUDA only; use float32 or bfloat16 on the CPU")
+        device, dtype = device_and_dtype(device, dtype)
         checkpoint = open_checkpoint(ckpt if ckpt is not None else DEFAULT_CHECKPOINT, progress=progress)
         metadata = checkpoint.source.metadata if checkpoint.format == "gguf" else None
         tokenizer = Tokenizer.from_checkpoint(checkpoint.path, gguf_metadata=metadata)
         model = checkpoint.load_model(dtype=dtype, device=device)
+        return cls.prepared(model, tokenizer, str(checkpoint.path), pack)
+
+    @classmethod
+    def from_transformers(cls, model: Any, tokenizer: Any, *, dtype: str | torch.dtype | None = None,
+                          device: str | torch.device | None = None, pack: bool | None = None) -> LLM:
+        """An LLM over a loaded transformers LlamaForCausalLM or MistralForCausalLM and its tokenizer.
+
+        Weights are taken, not re-read from disk: where dtype and device stay those of the transformers model
+        (the default), the embedding, norms and output projections are the very same tensors, and only q/k/v and
+        gate/up are copied once into their fused matrices. The tokenizer's files, chat template and special
+        tokens go through the same reader as a checkpoint folder's."""
+        first = next(model.parameters())
+        device, dtype = device_and_dtype(device if device is not None else first.device,
+                                         dtype if dtype is not None else first.dtype)
+        with tempfile.TemporaryDirectory(prefix="minilade-") as folder:
+            tokenizer.save_pretrained(folder)
+            model.config.save_pretrained(folder)  # eos/bos ids that the tokenizer reader also looks at
+            ours_tokenizer = Tokenizer.from_checkpoint(folder)
+        config = config_from_hf(model.config.to_dict())
+        ours = build_model(config, model.state_dict().items(), dtype=dtype, device=device)
+        return cls.prepared(ours, ours_tokenizer, type(model).__name__, pack)
+
+    @classmethod
+    def prepared(cls, model: Transformer, tokenizer: Tokenizer, name: str, pack: bool | None) -> LLM:
+        """The last steps of loading: the output head cut to the tokenizer's vocabulary, weights prepacked."""
         drop_padded_logits(model, tokenizer.vocab_size)
-        if pack if pack is not None else packing_available(dtype, device):
+        if pack if pack is not None else packing_available(model.dtype, model.device):
             pack_linears(model)
-        return cls(model, tokenizer, str(checkpoint.path))
+        return cls(model, tokenizer, name)
 
     def _take_cache(self) -> KVCache | None:
         cache, self._spare_cache = self._spare_cache, None
@@ -164,6 +188,16 @@ class TextStream:
         if len(text) > shown:
             yield text[shown:]
         self.result = Generation(text, ids, self.prompt_ids, self._run.finish_reason, self._run.stats)
+
+
+def device_and_dtype(device: str | torch.device | None, dtype: str | torch.dtype | None
+                     ) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype a model is loaded in: checked, defaults chosen for the device."""
+    device = parse_device(device) if device is not None else default_device()
+    dtype = resolve_dtype(dtype, device)
+    if dtype == torch.float16 and device.type == "cpu":
+        raise ValueError("float16 is supported on CUDA only; use float32 or bfloat16 on the CPU")
+    return device, dtype
 
 
 def parse_device(device: str | torch.device) -> torch.device:

@@ -104,3 +104,22 @@ def test_lookahead_through_the_library_equals_plain_decoding(llm: LLM) -> None:
     fast = llm.generate("the cat sat on the mat the cat", max_new_tokens=40, strategy=Lookahead(3, 3, 3))
     assert fast.token_ids == plain.token_ids and fast.text == plain.text
     assert fast.stats.strategy == "lookahead" and plain.stats.compression == pytest.approx(40 / 40)
+
+
+def test_from_transformers_equals_loading_the_same_weights_from_disk(tmp_path: Path) -> None:
+    import transformers
+
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    folder = write_tiny_checkpoint(tmp_path, WORDS, max_positions=128, chat_template=template)
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(folder)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    bridged = LLM.from_transformers(hf_model, hf_tokenizer)
+    from_disk = LLM.load(folder, dtype="float32", device="cpu", progress=False)
+    for prompt, options in [("the cat sat", {}), ("hello", dict(chat=True, system="be brief"))]:
+        want = from_disk.generate(prompt, max_new_tokens=12, strategy=Lookahead(2, 3, 2), **options)
+        got = bridged.generate(prompt, max_new_tokens=12, strategy=Lookahead(2, 3, 2), **options)
+        assert got.prompt_ids == want.prompt_ids and got.token_ids == want.token_ids
+    # The weights are the transformers model's own tensors, not copies (only q/k/v and gate/up are fused anew).
+    assert bridged.model.tok_embeddings.weight.data_ptr() == hf_model.model.embed_tokens.weight.data_ptr()
+    assert bridged.model.layers[0].attention.wo.weight.data_ptr() == \
+        hf_model.model.layers[0].self_attn.o_proj.weight.data_ptr()
