@@ -44,45 +44,77 @@ def step_visibility(mask: torch.Tensor | None, past: int, T: int, device: torch.
     return torch.cat([torch.ones(T, past, dtype=torch.bool, device=device), mask.to(device)], dim=1)
 
 
-def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-                        past: int, chunk: int = KEY_CHUNK) -> torch.Tensor:
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Attention computes reduced-precision inputs in float32."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """What every layer's attention in one step shares: which keys each row sees and which chunk each falls in.
+
+    Rows are the step's T query rows for each of the G query heads of a key head, G*T, padded to `rows`; keys are
+    the cache and the step, S = past + T, padded to `keys`. hidden: (rows, keys) bool. Chunks of `chunk` keys made
+    only of committed keys (the first n_shared) are seen by every row; tail_select: (n_tail, rows, keys - L0) is 1
+    where a row sees a key of the tail [L0, keys) that falls in its tail chunk j, L0 = n_shared * chunk.
+    """
+
+    past: int
+    T: int
+    rows: int
+    keys: int
+    n_shared: int
+    chunk: int
+    hidden: torch.Tensor
+    tail_select: torch.Tensor
+
+
+def key_layout(visible: torch.Tensor, past: int, G: int, dtype: torch.dtype, chunk: int = KEY_CHUNK) -> KeyLayout:
+    """visible: (T, past + T) bool (step_visibility); G query heads per key head; dtype: the model's."""
+    T, S = visible.shape
+    R, Sp = round_up(G * T, ROW_TILE), round_up(S, COL_TILE)
+    seen = visible.repeat(G, 1)
+    seen = F.pad(torch.cat([seen, seen[:1].expand(R - G * T, S)]), (0, Sp - S))  # padding rows copy row 0
+    n_shared = past // chunk
+    tail_seen = seen[:, n_shared * chunk:]
+    tail_chunk = (tail_seen.cumsum(-1) - 1).div_(chunk, rounding_mode="floor").masked_fill_(~tail_seen, -1)
+    n_tail = int(tail_chunk.max()) + 1
+    select = tail_chunk == torch.arange(n_tail, device=visible.device)[:, None, None]
+    return KeyLayout(past, T, R, Sp, n_shared, chunk, ~seen, select.to(work_dtype(dtype)))
+
+
+def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: KeyLayout
+                        ) -> torch.Tensor:
     """Softmax attention whose every row depends only on the keys that row sees, in slot order.
 
-    q: (B, H, T, D); keys, values: (B, Hkv, S, D) with S = past + T (the cache, then the step's rows);
-    visible: (T, S) bool. Returns (B, H, T, D) in q's dtype.
+    q: (B, H, T, D); keys, values: (B, Hkv, S, D) with S = past + T (the cache, then the step's rows).
+    Returns (B, H, T, D) in the cache's dtype.
 
     Row r's visible keys, in slot order, are numbered 0, 1, ...; in a causal or lookahead step that is position
     order, the same sequence a one-row step at r's position sees. Key k falls in chunk k // chunk. Scores use the
     row's exact maximum; each chunk's weighted sum of values (and of weights: a column of ones) is one matmul in
     which hidden keys weigh exactly 0; chunks are added in order by a sequential scan (cumsum). Chunks made only of
-    committed keys are shared by all rows and computed together; the rest (the "tail") per chunk over the whole tail,
-    hidden keys zeroed. Reduced-precision inputs are computed in float32.
+    committed keys are shared by all rows and computed together; each tail chunk by one matmul over the whole tail,
+    other keys zeroed.
     """
     B, H, T, D = q.shape
     Hkv, S = keys.shape[1], keys.shape[2]
-    G = H // Hkv
-    R, Sp, Dp = round_up(G * T, ROW_TILE), round_up(S, COL_TILE), round_up(D + 1, COL_TILE)
-    work = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
+    G, R, Sp, C = H // Hkv, layout.rows, layout.keys, layout.chunk
+    Dp = round_up(D + 1, COL_TILE)
+    work = work_dtype(q.dtype)
     q = F.pad(q.reshape(B, Hkv, G * T, D).to(work) * D ** -0.5, (0, 0, 0, R - G * T))  # heads under their key head
     k = F.pad(keys.to(work), (0, 0, 0, Sp - S))  # (B, Hkv, Sp, D)
     ones = keys.new_ones(B, Hkv, S, 1, dtype=work)  # a column that sums the weights
     v1 = F.pad(torch.cat([values.to(work), ones], dim=-1), (0, Dp - D - 1, 0, Sp - S))  # (B, Hkv, Sp, Dp)
-    seen = visible.repeat(G, 1)
-    seen = F.pad(torch.cat([seen, seen[:1].expand(R - G * T, S)]), (0, Sp - S))  # (R, Sp); padding rows copy row 0
-    scores = (q @ k.transpose(-1, -2)).masked_fill_(~seen, float("-inf"))  # (B, Hkv, R, Sp)
+    scores = (q @ k.transpose(-1, -2)).masked_fill_(layout.hidden, float("-inf"))  # (B, Hkv, R, Sp)
     weights = (scores - scores.amax(-1, keepdim=True)).exp_()  # exactly 0 where hidden
 
-    n_shared = past // chunk
-    L0 = n_shared * chunk
+    n, L0 = layout.n_shared, layout.n_shared * C
     parts = []
-    if n_shared:
-        w = weights[..., :L0].unflatten(-1, (n_shared, chunk)).transpose(2, 3)  # (B, Hkv, n, R, C)
-        parts.append(w @ v1[:, :, :L0].unflatten(2, (n_shared, chunk)))  # (B, Hkv, n, R, Dp)
-    tail_seen = seen[:, L0:]
-    tail_chunk = (tail_seen.cumsum(-1) - 1).div_(chunk, rounding_mode="floor").masked_fill_(~tail_seen, -1)
-    n_tail = int(tail_chunk.max()) + 1
-    select = tail_chunk == torch.arange(n_tail, device=q.device)[:, None, None]  # (n_tail, R, Sp - L0)
-    w = weights[..., L0:].unsqueeze(2) * select  # (B, Hkv, n_tail, R, Sp - L0)
+    if n:
+        w = weights[..., :L0].unflatten(-1, (n, C)).transpose(2, 3)  # (B, Hkv, n, R, C)
+        parts.append(w @ v1[:, :, :L0].unflatten(2, (n, C)))  # (B, Hkv, n, R, Dp)
+    w = weights[..., L0:].unsqueeze(2) * layout.tail_select  # (B, Hkv, n_tail, R, Sp - L0)
     parts.append(w @ v1[:, :, L0:].unsqueeze(2))
     total = torch.cat(parts, dim=2).cumsum(dim=2)[:, :, -1, :G * T]  # (B, Hkv, G*T, Dp), chunks added in order
     out = total[..., :D] / total[..., D:D + 1]

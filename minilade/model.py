@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .invariance import invariant_attention, step_visibility
+from .invariance import KeyLayout, invariant_attention, key_layout, step_visibility
 from .kv_cache import KVCache
 
 
@@ -67,19 +67,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
                 mask: torch.Tensor | None) -> torch.Tensor:
-        """mask: for the first pass (empty cache), (T, T) bool or None for causal; after it, (T, past + T) bool,
-        which keys each row sees (Transformer.attention_mask)."""
+        """mask: what Transformer.attention_mask made of the step mask: a KeyLayout for batch-invariant attention
+        (decoding steps on the CPU), else a mask for SDPA ((T, past + T) bool, or None for causal)."""
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         n_qk = self.n_heads + self.n_kv_heads
         qk = apply_rope(qkv[:, :, :n_qk], cos, sin).transpose(1, 2)  # (B, H + Hkv, T, D)
         q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
         v = qkv[:, :, n_qk:].transpose(1, 2)  # (B, Hkv, T, D)
-        past = cache.length
         keys, values = cache.write(layer, k, v)  # (B, Hkv, S, D), S = past + T
-        if past:  # a decoding step: every row's result independent of the step's shape (invariance.py)
-            y = invariant_attention(q, keys, values, mask, past)
-        else:  # the prefill: any kernel, since both lookahead and plain decoding read the same prompt K/V
+        if isinstance(mask, KeyLayout):  # each row's result independent of the step's shape (invariance.py)
+            y = invariant_attention(q, keys, values, mask)
+        else:
             y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1,
                                                enable_gqa=self.n_heads != self.n_kv_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
@@ -133,8 +132,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.rope_cos: torch.Tensor | None = None
-        self.rope_sin: torch.Tensor | None = None
+        # Buffers (not saved), so that .to(dtype) converts them with the weights.
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -176,11 +176,15 @@ class Transformer(nn.Module):
             x = x[:, logits_rows]
         return self.output(self.norm(x))
 
-    def attention_mask(self, mask: torch.Tensor | None, past: int, T: int) -> torch.Tensor | None:
-        """What attention needs from a step mask (T, T) (None: causal): for the first pass the mask itself;
-        after it, which keys of the cache and the step each row sees, (T, past + T)."""
+    def attention_mask(self, mask: torch.Tensor | None, past: int, T: int) -> KeyLayout | torch.Tensor | None:
+        """What attention needs from a step mask (T, T) (None: causal). A decoding step on the CPU gets a KeyLayout,
+        so that each row's result is independent of the step's shape. The prefill may use SDPA (lookahead and plain
+        decoding read the same prompt K/V), and so does CUDA, where the invariant path is not verified."""
         if past:
-            return step_visibility(mask, past, T, self.device)
+            visible = step_visibility(mask, past, T, self.device)
+            if self.device.type != "cpu":
+                return visible
+            return key_layout(visible, past, self.config.n_heads // self.config.n_kv_heads, self.dtype)
         if mask is not None and mask.shape != (T, T):
             raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({T}, {T}) for {T} tokens")
         return mask

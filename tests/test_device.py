@@ -1,0 +1,69 @@
+"""Device and dtype policy: invariant row tilings change how steps are computed, not what; --dtype auto is measured."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import minilade.device as device
+from minilade.decoding import Autoregressive
+from minilade.decoding.lookahead import Lookahead
+from minilade.device import Invariance, choose_dtype, make_invariant, pack_linears, resolve_dtype
+from minilade.invariance import RowTiledLinear
+
+from .helpers import run_tokens, tiny_model
+
+
+def test_tiled_model_computes_the_same_logits() -> None:
+    model = tiny_model(vocab=50, std=0.1)
+    tiled = copy.deepcopy(model)
+    assert make_invariant(tiled).exact
+    assert isinstance(tiled.output, RowTiledLinear) and tiled.output.weight is tiled.tok_embeddings.weight
+    tokens = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for T in (1, 2, 5, 12):
+            expected = model(tokens[:, :T], torch.arange(T), model.new_cache(16))
+            got = tiled(tokens[:, :T], torch.arange(T), tiled.new_cache(16))
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_invariant_lookahead_equals_autoregressive() -> None:
+    model = pack_linears(tiny_model(vocab=12, seed=2))  # the former entry point: now make_invariant
+    assert isinstance(model.layers[0].feed_forward.w_down, RowTiledLinear)
+    prompt = [1, 2, 3, 1, 2, 3, 4]
+    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=40)
+    for settings in [(4, 4, 4), (7, 5, 7), (1, 2, 3)]:
+        got, run = run_tokens(model, prompt, Lookahead(*settings), max_new_tokens=40)
+        assert got == expected and run.stats.compression > 1.0
+
+
+def test_resolve_dtype() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu) == resolve_dtype(None, cpu) == torch.float32  # then choose_dtype measures
+    assert resolve_dtype("bf16", cpu) == torch.bfloat16 and resolve_dtype(torch.float64, cpu) == torch.float64
+    with pytest.raises(ValueError, match="unknown dtype 'float8'"):
+        resolve_dtype("float8", cpu)
+
+
+@pytest.mark.parametrize("faster", [torch.bfloat16, torch.float32], ids=str)
+def test_choose_dtype_takes_the_faster_exact_dtype(faster: torch.dtype, monkeypatch) -> None:
+    monkeypatch.setattr(device, "_step_seconds", lambda model, path: 1.0 if model.dtype == faster else 2.0)
+    model = tiny_model(vocab=50, std=0.1)
+    chosen = choose_dtype(model)
+    assert chosen.dtype == faster and (chosen is model) == (faster == torch.float32)
+    tokens = torch.arange(10)[None]
+    with torch.no_grad():
+        got = chosen(tokens, torch.arange(10), chosen.new_cache(16)).float()
+        expected = model(tokens, torch.arange(10), model.new_cache(16))
+    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)
+
+
+def test_choose_dtype_skips_a_dtype_that_is_not_exact(monkeypatch) -> None:
+    monkeypatch.setattr(device, "_step_seconds", lambda model, path: 1.0 if model.dtype == torch.bfloat16 else 2.0)
+    real = device.make_invariant
+    monkeypatch.setattr(device, "make_invariant", lambda model, path=None, warn=True: (
+        Invariance(False, {}) if model.dtype == torch.bfloat16 else real(model, path, warn=warn)))
+    model = tiny_model(vocab=50)
+    assert choose_dtype(model) is model

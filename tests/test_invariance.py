@@ -1,0 +1,117 @@
+"""A token's logits must not depend on the shape of the step that computed them: bitwise, in float32 and bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minilade.decoding import Autoregressive
+from minilade.decoding.lookahead import Lookahead
+from minilade.device import Invariance, check_invariance, interleaved_step, make_invariant
+from minilade.invariance import (
+    RowTiledLinear,
+    RowTiling,
+    invariant_attention,
+    key_layout,
+    step_visibility,
+    tiled_matmul,
+)
+
+from .helpers import run_tokens, tiny_model
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("preset", ["tiny-gqa", "tiny-mha"])
+def test_one_row_step_equals_its_row_in_wide_steps(dtype: torch.dtype, preset: str) -> None:
+    model = tiny_model(vocab=50, preset=preset, dtype=dtype)
+    assert make_invariant(model).exact
+    # contexts on both sides of a key-chunk boundary (64) and past several; steps up to 64 rows, 2 to 8 lanes
+    for contexts, width, lanes in [((1, 63, 64), 8, 2), ((5, 130), 40, 8), ((70,), 64, 3)]:
+        assert check_invariance(model, contexts, width, lanes), (contexts, width, lanes)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_row_ignores_other_rows_and_hidden_keys(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    past, T, H, Hkv, D = 100, 24, 6, 2, 16
+    q = torch.randn(1, H, T, D, generator=gen).to(dtype)
+    keys, values = (torch.randn(1, Hkv, past + T, D, generator=gen).to(dtype) for _ in range(2))
+    positions, mask = interleaved_step(past, T, lanes=4)
+    wide = invariant_attention(q, keys, values, key_layout(step_visibility(mask, past, T, "cpu"), past, 3, dtype))
+    for r in (0, 5, 13, 23):
+        seen = mask[r].nonzero().squeeze(1) + past  # the row's visible step rows, in position order
+        k, v = (torch.cat([t[:, :, :past], t[:, :, seen]], dim=2) for t in (keys, values))
+        n = seen.numel()
+        one_row = key_layout(step_visibility(None, past + n - 1, 1, "cpu"), past + n - 1, 3, dtype)
+        alone = invariant_attention(q[:, :, r:r + 1], k, v, one_row)
+        assert torch.equal(alone[:, :, 0], wide[:, :, r]), r
+        assert int(positions[r]) == past + n - 1  # the row's keys are a chain of consecutive positions
+
+
+def test_attention_matches_softmax_attention() -> None:
+    gen = torch.Generator().manual_seed(1)
+    past, T = 150, 10
+    q = torch.randn(1, 4, T, 8, generator=gen, dtype=torch.float64)
+    keys, values = (torch.randn(1, 2, past + T, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    _, mask = interleaved_step(past, T, lanes=3)
+    visible = step_visibility(mask, past, T, "cpu")
+    expected = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
+    got = invariant_attention(q, keys, values, key_layout(visible, past, 2, torch.float64))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_check_catches_a_row_count_dependent_layer() -> None:
+    model = tiny_model(vocab=50)
+    assert make_invariant(model).exact
+    layer = model.layers[1].feed_forward.w_down
+
+    class Drifting(torch.nn.Module):  # a kernel whose rows change with the call's row count, as BLAS ones can
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return layer(x) * (1 + 1e-3 * (x.numel() // x.shape[-1] > 1))
+
+    model.layers[1].feed_forward.w_down = Drifting()
+    assert not check_invariance(model)
+
+
+def test_split_tiles_give_the_rows_of_one_tile() -> None:
+    weight = torch.randn(24, 16, generator=torch.Generator().manual_seed(2))
+    calls = []
+
+    def kernel(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return x @ weight.T
+
+    x = torch.randn(2, 5, 16)
+    got = tiled_matmul(x, kernel, RowTiling(4, split=True))
+    assert calls == [4, 4, 4] and got.shape == (2, 5, 24)
+    torch.testing.assert_close(got, x @ weight.T, rtol=1e-6, atol=1e-6)
+    calls.clear()
+    tiled_matmul(x[:, :1], kernel, RowTiling(8))
+    assert calls == [8]
+
+
+def test_make_invariant_keeps_its_findings_in_a_file(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "invariance.json"
+    first = make_invariant(tiny_model(vocab=50), path)
+    assert first.exact and path.is_file()
+    import minilade.device as device
+
+    monkeypatch.setattr(device, "check_invariance", lambda *a, **k: pytest.fail("checked again"))
+    model = tiny_model(vocab=50)
+    again = make_invariant(model, path)
+    assert again == first and isinstance(again, Invariance)
+    assert all(isinstance(m, RowTiledLinear) for m in (model.output, model.layers[0].attention.wqkv))
+    assert model.output.weight is model.tok_embeddings.weight  # tied weights stay tied
+
+
+@pytest.mark.parametrize("settings", [(4, 4, 4), (7, 5, 7), (1, 2, 3), (3, 3, 1)])
+def test_greedy_lookahead_equals_autoregressive_in_bfloat16(settings) -> None:
+    for seed, prompt in [(2, [1, 2, 3, 1, 2, 3, 4]), (5, [7, 3, 3, 9, 1, 7, 3])]:
+        model = tiny_model(vocab=12, seed=seed, dtype=torch.bfloat16)
+        assert make_invariant(model).exact
+        expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=60)
+        got, run = run_tokens(model, prompt, Lookahead(*settings), max_new_tokens=60)
+        assert got == expected
+        assert run.stats.compression > 1.0
