@@ -45,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ngram", "-N", type=int, default=4, help="lookahead n-gram size N")
     s.add_argument("--guesses", "-G", type=int, default=5, help="lookahead candidates verified per step G")
     s.add_argument("--no-prompt-pool", action="store_true", help="do not seed the n-gram pool from the prompt")
+    s.add_argument("--suffix-draft", type=int, default=None, metavar="L",
+                   help="also verify drafts of up to L tokens copied from where the text's ending occurred before "
+                        "(0 = off; default: off for lookahead, 16 for auto)")
+    s.add_argument("--suffix-branches", type=int, default=None, metavar="B",
+                   help="at most B such drafts a step, from occurrences that disagree (default: 1 lookahead, 4 auto)")
+    s.add_argument("--draft-budget", type=int, default=None, metavar="ROWS",
+                   help="auto: the most rows one step feeds (default: (W + G) * (N - 1))")
     d = p.add_argument_group("hardware")
     d.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (CUDA only)")
     d.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -55,9 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
     """The generation settings the options ask for, checked before any weights are loaded. Step costs for
     `auto` are measured once per machine and kept beside the weights."""
+    drafts = {name: value for name, value in (("suffix_draft", args.suffix_draft),
+                                              ("suffix_branches", args.suffix_branches),
+                                              ("draft_budget", args.draft_budget)) if value is not None}
     strategy = make_strategy(args.strategy, window=args.window, ngram=args.ngram, guesses=args.guesses,
                              pool_from_prompt=not args.no_prompt_pool,
-                             cost_file=str(default_weights_dir() / "step_costs.json"))
+                             cost_file=str(default_weights_dir() / "step_costs.json"), **drafts)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     return GenerationSettings(strategy, sampling, args.max_new_tokens, tuple(args.stop))
 

@@ -90,40 +90,69 @@ class LookaheadLayout:
 
 @dataclass(frozen=True)
 class CandidateTree:
-    """g candidates of k tokens laid out as a trie: one node (row) per distinct prefix.
+    """g candidates of up to k tokens laid out as a trie: one node (row) per distinct prefix.
 
-    Nodes are numbered candidate by candidate, token by token, skipping prefixes an earlier candidate already has.
+    Candidates may differ in length (ragged): candidate j is its first lengths[j] >= 1 tokens; the rest of its row
+    in the padded (g, k) tensor is ignored. Nodes are numbered candidate by candidate, token by token, skipping
+    prefixes an earlier candidate already has.
     tokens, depth: (n,) each node's token and its depth (its position is x's + 1 + depth).
-    mask: (n, n) bool, a node sees its ancestors and itself. node_of: (g, k) the node of candidate j's token i.
+    mask: (n, n) bool, a node sees its ancestors and itself.
+    node_of: (g, k) the node of candidate j's token i; past a candidate's end, the node of its last token (so
+    gathers stay in range; verification never reads past lengths[j]). lengths: (g,) tokens per candidate.
+
+        candidates [5 6 7], [5 6 .], [5 9 1] (lengths 3, 2, 3)  ->  nodes 5 6 7 9 1, depths 0 1 2 1 2
+        node_of [[0 1 2], [0 1 1], [0 3 4]]
     """
 
     tokens: torch.Tensor
     depth: torch.Tensor
     mask: torch.Tensor
     node_of: torch.Tensor
+    lengths: torch.Tensor
 
     @classmethod
-    def build(cls, candidates: torch.Tensor) -> "CandidateTree":
+    def build(cls, candidates: torch.Tensor, lengths: torch.Tensor | None = None) -> "CandidateTree":
         g, k = candidates.shape
+        lengths = torch.full((g,), k, dtype=torch.long) if lengths is None else lengths.long()
         if g == 0:
             empty = torch.zeros(0, dtype=torch.long)
-            return cls(empty, empty, torch.zeros(0, 0, dtype=torch.bool), torch.zeros(0, k, dtype=torch.long))
-        same_prefix = (candidates[:, None, :] == candidates[None, :, :]).int().cumprod(dim=2)  # (g, g, k)
+            return cls(empty, empty, torch.zeros(0, 0, dtype=torch.bool), torch.zeros(0, k, dtype=torch.long), empty)
+        if int(lengths.min()) < 1 or int(lengths.max()) > k:
+            raise ValueError(f"candidate lengths must be in 1..{k}, got {lengths.tolist()}")
+        inside = torch.arange(k) < lengths[:, None]  # (g, k): real tokens, not padding
+        padded = torch.where(inside, candidates, -1)  # padding never equals a token
+        same_prefix = (padded[:, None, :] == padded[None, :, :]).int().cumprod(dim=2)  # (g, g, k)
         owner = same_prefix.argmax(dim=1)  # (g, k): the first candidate with the same prefix up to token i
-        is_node = owner == torch.arange(g)[:, None]
+        is_node = (owner == torch.arange(g)[:, None]) & inside
         flat_nodes = is_node.flatten().nonzero().squeeze(1)  # owner * k + i, in node order
         number = torch.full((g * k,), -1, dtype=torch.long)
         number[flat_nodes] = torch.arange(flat_nodes.numel())
-        node_of = number[owner * k + torch.arange(k)]  # (g, k)
+        node_of = number[owner * k + torch.arange(k)]  # (g, k); -1 past a candidate's end
+        last = node_of.gather(1, (lengths - 1)[:, None])  # (g, 1)
+        node_of = torch.where(inside, node_of, last)
         depth = flat_nodes % k
         ancestors = node_of[flat_nodes // k]  # (n, k): each node's ancestor at every depth (its own candidate's)
         n = flat_nodes.numel()
         mask = (depth[None, :] <= depth[:, None]) & (ancestors.gather(1, depth.expand(n, n)) == torch.arange(n))
-        return cls(candidates.flatten()[flat_nodes], depth, mask, node_of)
+        return cls(candidates.flatten()[flat_nodes], depth, mask, node_of, lengths)
 
     @property
     def size(self) -> int:
         return self.tokens.numel()
+
+    @property
+    def max_depth(self) -> int:
+        """Depth of the deepest node + 1: the largest position offset from x a node uses (0 for no nodes)."""
+        return int(self.depth.max()) + 1 if self.size else 0
+
+    def parents(self) -> torch.Tensor:
+        """(n,) each node's parent node, -1 for a node at depth 0 (whose parent is x)."""
+        parent = torch.full((self.size,), -1, dtype=torch.long)
+        deeper = self.depth > 0
+        # A node's ancestors are the visible nodes; its parent is the one at depth - 1.
+        at_parent_depth = self.mask & (self.depth[None, :] == (self.depth - 1)[:, None])
+        parent[deeper] = at_parent_depth[deeper].int().argmax(dim=1)
+        return parent
 
 
 class StepShape:

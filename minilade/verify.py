@@ -1,7 +1,9 @@
 """Verification: which candidate tokens does the model itself produce, and what does it produce next?
 
 Both functions run on the device and return small tensors; the caller reads them back in one transfer.
-Notation: candidates (g, K) with K = N - 1 tokens each, all proposed to follow the input token x.
+Notation: candidates (g, K), all proposed to follow the input token x; candidate j is its first lengths[j] tokens
+(1..K; None: all K), the rest of its row is padding that is never accepted. A path never accepts past its own end,
+and a wholly accepted path is still followed by the model's next token (the bonus token).
 """
 
 from __future__ import annotations
@@ -11,24 +13,28 @@ import torch
 from .sampling import Sampler
 
 
-def greedy_verify(first: torch.Tensor, candidates: torch.Tensor, choices: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def greedy_verify(first: torch.Tensor, candidates: torch.Tensor, choices: torch.Tensor,
+                  lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy verification: the longest candidate prefix that matches the model's own argmax chain.
 
     first: () the argmax after x. choices: (g, K) the argmax after each candidate token (given the candidate's
     earlier tokens). Returns (best, n_accepted, emitted): the winning candidate, how many of its tokens are
-    accepted (0..K), and the model's chain (K + 1,) along it, whose first n_accepted + 1 tokens are emitted:
-    the accepted tokens, then the model's next token (the bonus token when the whole candidate matched).
+    accepted (0..its length), and the model's chain (K + 1,) along it, whose first n_accepted + 1 tokens are
+    emitted: the accepted tokens, then the model's next token (the bonus token when the whole candidate matched).
     Ties go to the earlier candidate. Also returns n_match (g,): each candidate's count of leading matches.
     """
-    chain = torch.cat([first.expand(candidates.shape[0], 1), choices], dim=1)  # (g, K + 1)
-    n_match = (candidates == chain[:, :-1]).int().cumprod(dim=1).sum(dim=1)  # leading matches, (g,)
+    g, K = candidates.shape
+    chain = torch.cat([first.expand(g, 1), choices], dim=1)  # (g, K + 1)
+    same = candidates == chain[:, :-1]
+    if lengths is not None:
+        same &= torch.arange(K, device=candidates.device) < lengths[:, None]
+    n_match = same.int().cumprod(dim=1).sum(dim=1)  # leading matches, (g,)
     best = n_match.argmax()
     return best, n_match[best], chain[best], n_match
 
 
-def sample_verify(probs0: torch.Tensor, candidates: torch.Tensor, cand_logits: torch.Tensor, sampler: Sampler
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sample_verify(probs0: torch.Tensor, candidates: torch.Tensor, cand_logits: torch.Tensor, sampler: Sampler,
+                  lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lossless verification of deterministic drafts under sampling (Lookahead Decoding, Algorithm 4).
 
     probs0: (V,) the warped distribution after x. cand_logits: (g, K, V) raw logits after each candidate token.
@@ -36,15 +42,19 @@ def sample_verify(probs0: torch.Tensor, candidates: torch.Tensor, cand_logits: t
     accepted with probability p(t); on rejection its mass is removed and p renormalised before the next one.
     After an acceptance only candidates that share the token stay alive and p becomes the model's distribution
     after it; when every distinct token is rejected the step ends with a draw from the residual p. When a whole
-    candidate is accepted, the bonus token is drawn from the model's distribution after it.
+    candidate is accepted, the bonus token is drawn from the model's distribution after it. A candidate takes
+    part at position i only while i < its length; once the alive ones have all ended, the walk stops there and
+    the bonus token is drawn (ragged candidates: a trie whose leaves lie at different depths).
     Each emitted token is thus distributed exactly as autoregressive sampling would draw it.
 
-    Returns (best, n_accepted, emitted): a surviving candidate, the number of its tokens accepted (0..K) and
+    Returns (best, n_accepted, emitted): a surviving candidate, the number of its tokens accepted (0..length) and
     emitted (K + 1,), whose first n_accepted + 1 entries are the tokens of this step.
     """
     g, K = candidates.shape
     device = candidates.device
     order = torch.arange(g, device=device)
+    inside = torch.ones(g, K, dtype=torch.bool, device=device) if lengths is None else \
+        torch.arange(K, device=device) < lengths[:, None]  # (g, K)
     alive = torch.ones(g, dtype=torch.bool, device=device)
     running = torch.ones((), dtype=torch.bool, device=device)  # every position so far accepted a token
     n_accepted = torch.zeros((), dtype=torch.long, device=device)
@@ -52,10 +62,11 @@ def sample_verify(probs0: torch.Tensor, candidates: torch.Tensor, cand_logits: t
     p = probs0
     uniforms = sampler.uniform(g * K, device).view(K, g)
     for i in range(K):
-        tokens = candidates[:, i]
+        tokens = candidates[:, i].clamp_min(0)  # padding (past a candidate's end) never tries, so any id will do
+        present = alive & inside[:, i]
         # The first alive candidate carrying each distinct token is the one that tries it.
-        earlier_same = (tokens[:, None] == tokens[None, :]) & alive[None, :] & (order[None, :] < order[:, None])
-        tries = alive & ~earlier_same.any(dim=1)
+        earlier_same = (tokens[:, None] == tokens[None, :]) & present[None, :] & (order[None, :] < order[:, None])
+        tries = present & ~earlier_same.any(dim=1)
         p_try = torch.where(tries, p[tokens], 0.0)
         mass_before = p_try.cumsum(0) - p_try  # mass removed by the rejections before this try
         accept = tries & (uniforms[i] * (1.0 - mass_before).clamp_min(1e-30) < p_try)
@@ -66,7 +77,7 @@ def sample_verify(probs0: torch.Tensor, candidates: torch.Tensor, cand_logits: t
         residual = residual / residual.sum().clamp_min(1e-30)
         p_next = sampler.probs(cand_logits[winner, i])
         p = torch.where(accepted, p_next, torch.where(running, residual, p))
-        alive = alive & (tokens == tokens[winner]) & accepted
+        alive = present & (tokens == tokens[winner]) & accepted
         best = torch.where(accepted, winner, best)
         n_accepted = n_accepted + accepted.long()
         running = accepted

@@ -79,3 +79,41 @@ def test_candidates_sharing_a_prefix_share_rows() -> None:
         "......oo.",
         "......ooo",
     ]
+
+
+def test_ragged_candidates_share_prefixes_and_stop_at_their_ends() -> None:
+    # [5 6 7], [5 6] (padded), [5 9 1 2], [3] (padded): lengths 3, 2, 4, 1.
+    candidates = torch.tensor([[5, 6, 7, 0], [5, 6, 0, 0], [5, 9, 1, 2], [3, 0, 0, 0]])
+    tree = CandidateTree.build(candidates, torch.tensor([3, 2, 4, 1]))
+    assert tree.tokens.tolist() == [5, 6, 7, 9, 1, 2, 3]  # [5 6] is a prefix of [5 6 7]: no row of its own
+    assert tree.depth.tolist() == [0, 1, 2, 1, 2, 3, 0]
+    assert tree.node_of.tolist() == [[0, 1, 2, 2], [0, 1, 1, 1], [0, 3, 4, 5], [6, 6, 6, 6]]  # ends repeat
+    assert tree.parents().tolist() == [-1, 0, 1, 0, 3, 4, -1]
+    assert tree.max_depth == 4
+    assert render(tree.mask) == [
+        "o......",
+        "oo.....",
+        "ooo....",
+        "o..o...",
+        "o..oo..",
+        "o..ooo.",
+        "......o",
+    ]
+    shape = StepShape(LookaheadLayout(2, 3, 4), with_window=False, device=torch.device("cpu"))
+    _, offsets, _ = shape.assemble(tree)
+    assert offsets.tolist() == [0, 1, 2, 3, 2, 3, 4, 1]  # a path's token i sits at x's position + 1 + i
+
+
+def test_padding_never_makes_rows_even_when_it_equals_a_token() -> None:
+    tree = CandidateTree.build(torch.tensor([[4, 4, 4], [4, 0, 0]]), torch.tensor([1, 1]))
+    assert tree.tokens.tolist() == [4] and tree.node_of.tolist() == [[0, 0, 0], [0, 0, 0]]
+
+
+def test_candidate_lengths_out_of_range_are_refused() -> None:
+    for lengths in ([0, 2], [1, 3]):
+        try:
+            CandidateTree.build(torch.tensor([[1, 2], [3, 4]]), torch.tensor(lengths))
+        except ValueError as e:
+            assert "lengths must be in 1..2" in str(e)
+        else:
+            raise AssertionError(f"lengths {lengths} accepted")

@@ -113,3 +113,32 @@ def test_shared_prefix_continues_with_the_accepted_branch() -> None:
     best, n, emitted, draws = verify(candidates, logits, [0.1, 0.0, 0.5, 0.35])
     assert n == 1 and emitted[0] == 1
     torch.testing.assert_close(draws[0], torch.tensor([0.1, 0.1, 0.1, 0, 0, 0.1]) / 0.4)
+
+
+def test_greedy_verify_ragged_never_accepts_past_a_path_end() -> None:
+    # Path 0 is [5] (padded with 6, which the model would also choose): it accepts 1 token, then the bonus 6.
+    # Path 1 is [5, 6, 8]: the model chooses 7 after 6, so it accepts 2 and emits 7.
+    best, n, chain, matches = greedy_verify(torch.tensor(5), torch.tensor([[5, 6, 7], [5, 6, 8]]),
+                                            torch.tensor([[6, 7, 9], [6, 7, 9]]), torch.tensor([1, 3]))
+    assert matches.tolist() == [1, 2] and (int(best), int(n)) == (1, 2) and chain[:3].tolist() == [5, 6, 7]
+    best, n, chain, _ = greedy_verify(torch.tensor(5), torch.tensor([[5, 6, 7]]), torch.tensor([[6, 7, 9]]),
+                                      torch.tensor([2]))
+    assert int(n) == 2 and chain[:3].tolist() == [5, 6, 7]  # a wholly matched short path keeps its bonus token
+
+
+def test_sample_verify_ragged_stops_at_the_end_of_the_accepted_path() -> None:
+    # Path [1] (length 1, padded with 3) and path [2, 0]. Token 1 (p 0.3) accepted with u 0.1: its path ends, so
+    # the bonus is drawn from the distribution after 1 even though the padding (3) would be D1's likeliest token.
+    sampler = ScriptedSampler([0.1, 0.0, 0.0, 0.0])
+    best, n, emitted = sample_verify(P0, torch.tensor([[1, 3], [2, 0]]),
+                                     torch.stack([torch.stack([D1, D1]), torch.stack([D2, D3])]), sampler,
+                                     lengths=torch.tensor([1, 2]))
+    assert (int(best), int(n)) == (0, 1) and emitted[:2].tolist() == [1, 3]
+    torch.testing.assert_close(sampler.draws[0], D1.softmax(-1))
+    # Token 1 rejected (u 0.9), token 2 accepted (u 0.0), then the longer path's 0 is tried after 2.
+    sampler = ScriptedSampler([0.9, 0.0, 0.0, 0.0])
+    best, n, emitted = sample_verify(P0, torch.tensor([[1, 3], [2, 0]]),
+                                     torch.stack([torch.stack([D1, D1]), torch.stack([D2, D3])]), sampler,
+                                     lengths=torch.tensor([1, 2]))
+    assert (int(best), int(n)) == (1, 2) and emitted[:2].tolist() == [2, 0]
+    torch.testing.assert_close(sampler.draws[0], D3.softmax(-1))

@@ -1,168 +1,170 @@
-"""Automatic lookahead: pick the shape of every step to maximise expected tokens per second.
+"""Automatic lookahead: one scored draft tree per step, fed as far as it pays in expected tokens per second.
 
 Lookahead trades compute per step for fewer steps, which pays only where a step of many tokens costs little
 more than a step of one. So the strategy measures that cost on the loaded model (`measure_step_costs`, a few
-forward passes, memoised per model and optionally kept in a file) and, step by step, chooses among:
-- a plain autoregressive step (1 token in, 1 out);
-- a verification step: the input token and g candidates of k tokens from the n-gram pool (1 + g*k tokens in);
-- a full lookahead step: the W x (N-1) window plus g candidates, which also feeds the pool from the window.
-Expected tokens per step come from running statistics: every verification step reveals, for each candidate, how
-many of its tokens matched the model, so one step of g candidates of length k also tells what any g' <= g
-candidates of length k' <= k would have accepted. The prompt seeds these statistics (how well its own n-grams
-predict it), so the first steps are not blind. When nothing beats one token per cost of one token, the
-strategy decodes plainly, so switching it on is safe.
+forward passes, memoised per model and optionally kept in a file) and, every step:
+1. gathers draft paths from every source (minilade/drafts/): suffix drafts of any length from the text, the
+   n-gram pool's candidates (from the text and from the lookahead window) and, when on, a tree recycled from the
+   model's own top-k outputs, merged into one trie (DraftTree);
+2. scores every node with its chance of being accepted, the product of its path's calibrated conditional chances
+   (Calibration, learnt online from every verification and seeded by replaying the prompt);
+3. feeds x and the b most likely nodes (ancestors first; the expected number of accepted tokens is the sum of
+   their chances), with or without the W x (N-1) window, choosing b and the window to maximise expected tokens
+   per second under the measured cost curve and the draft budget. b = 0 without the window is a plain step, so
+   switching the strategy on is safe where nothing pays.
+The window's worth is the tokens later accepted from n-grams only it produced, per step that ran it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
-from ..ngram_pool import NGramPool
+from ..drafts.sources import pool_paths, replay_calibration, suffix_paths, text_sources
+from ..drafts.tree import Calibration, DraftPath, DraftTree
 from .base import DecodeContext, Decoder, Step
-from .lookahead import Lookahead, LookaheadDecoder, StepShape, Verdict
+from .lookahead import Lookahead, LookaheadDecoder, StepShape, Verdict, whole_number
 from .step_costs import StepCosts, step_costs_for
 
-# ---- how many tokens a step will accept ----------------------------------------------------------------------------
-
-
-class AcceptanceStats:
-    """Running mean of candidate tokens accepted per step, for every (g candidates, k tokens each).
-
-    One observation is the list of per-candidate match lengths of a verification step; from it the accepted
-    count of any g' <= g, k' <= k follows (the best of the first g' candidates, capped at k'). Older
-    observations fade (weight `decay` per step) so the estimate follows the text.
-    """
-
-    def __init__(self, guesses: int, cand_len: int, prior: float = 0.3, prior_weight: float = 1.0,
-                 decay: float = 0.97) -> None:
-        self.G, self.K, self.decay = guesses, cand_len, decay
-        self.total = [[prior * prior_weight * min(k, 1) for k in range(cand_len + 1)] for _ in range(guesses + 1)]
-        self.weight = [[prior_weight] * (cand_len + 1) for _ in range(guesses + 1)]
-
-    def observe(self, matches: Sequence[int], cand_len: int, weight: float = 1.0) -> None:
-        best = 0
-        for g, m in enumerate(matches[:self.G], start=1):
-            best = max(best, m)
-            for k in range(1, cand_len + 1):
-                self.total[g][k] = self.decay * self.total[g][k] + weight * min(best, k)
-                self.weight[g][k] = self.decay * self.weight[g][k] + weight
-
-    def expected(self, g: int, k: int) -> float:
-        return self.total[g][k] / self.weight[g][k] if g and k else 0.0
-
-
-def prompt_self_prediction(prompt: Sequence[int], ngram: int, guesses: int, last: int = 512) -> list[list[int]]:
-    """Per position of the prompt (its last `last` tokens), how many tokens each pool candidate built from the
-    text before it would have matched the text that follows: a model-free prior on how repetitive it is."""
-    pool = NGramPool(ngram, max(guesses, 1))
-    K = ngram - 1
-    start = max(0, len(prompt) - last)
-    pool.add_ngrams(prompt[:start + 1])
-    out = []
-    for j in range(start, len(prompt) - 1):
-        truth = prompt[j + 1:j + 1 + K]
-        matches = []
-        for cand in pool.candidates(prompt[j], guesses):
-            m = 0
-            while m < len(truth) and cand[m] == truth[m]:
-                m += 1
-            matches.append(m)
-        if matches:
-            out.append(matches)
-        if j + 1 >= ngram - 1:
-            pool.add_ngrams(prompt[:j + 2], j + 2 - ngram)
-    return out
-
-
-# ---- the strategy ----------------------------------------------------------------------------------------------
+COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # step sizes measured for the cost curve
+PRIORS = {"suffix": 0.5, "pool": 0.2, "window": 0.15, "recycle": 0.15}  # conditional chances before any evidence
+PROMPT_REPLAY = 384  # prompt positions replayed to seed the calibration
+RECYCLE_WIDTHS = (None, 2, 1, 1)  # children per node at each depth of the recycled tree (None: all k)
 
 
 @dataclass(frozen=True)
 class Auto(Lookahead):
-    """Lookahead with the shape of each step chosen from measured step costs and running acceptance estimates.
+    """Lookahead with every step shaped from measured step costs and calibrated draft chances.
 
-    window, ngram, guesses: the largest step it may take (the other settings as for Lookahead).
+    window, ngram, guesses: the window and pool it may use. suffix_draft, suffix_branches: as for Lookahead, but
+    on by default. draft_budget: the most rows one step feeds (None: (W + G)(N - 1), the W, N, G step's).
     cost_file: where measured step costs are kept between runs (None: measured once per process and model).
     costs: step costs to use instead of measuring (benchmarks and tests).
     """
 
+    suffix_draft: int = 16
+    suffix_branches: int = 4
+    draft_budget: int | None = None
     cost_file: str | None = None
     costs: StepCosts | None = field(default=None, compare=False, repr=False)
     name = "auto"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.draft_budget is not None:
+            whole_number(self.draft_budget, "draft_budget (rows per step)", minimum=1)
+
+    @property
+    def budget(self) -> int:
+        return self.layout.max_rows if self.draft_budget is None else self.draft_budget
+
+    def max_step_tokens(self) -> int:
+        return self.budget
 
     def make_decoder(self, ctx: DecodeContext) -> Decoder:
         return AutoDecoder(ctx, self)
 
     def __str__(self) -> str:
-        return f"auto(W<={self.window}, N<={self.ngram}, G<={self.guesses})"
+        return (f"auto(W<={self.window}, N<={self.ngram}, G<={self.guesses}, suffix {self.suffix_branches}x"
+                f"{self.suffix_draft}, <= {self.budget} rows)")
+
+
+def best_plan(chances: list[float], costs: StepCosts, budget: int, window_rows: int | None = None,
+              window_gain: float = 0.0) -> tuple[bool, int, float]:
+    """(with the window, b, expected tokens): feed x and the first b nodes of `chances` (ranked, ancestors first),
+    and the window of window_rows rows (x included) too if that pays, so that expected tokens per second, under
+    `costs`, are highest and no step feeds more than `budget` rows. b = 0 without the window is a plain step.
+    The expected tokens of a step are 1 + the chances fed (+ window_gain with the window)."""
+    expected = [1.0]
+    for c in chances:
+        expected.append(expected[-1] + c)
+    best, score = (False, 0, 1.0), 1.0 / costs(1)
+    bases = [(False, 1)] + ([(True, window_rows)] if window_rows is not None else [])
+    for with_window, base in bases:
+        for b in range(min(len(chances), budget - base) + 1):
+            gain = expected[b] + (window_gain if with_window else 0.0)
+            if gain / costs(base + b) > score:
+                best, score = (with_window, b, gain), gain / costs(base + b)
+    return best
 
 
 @dataclass(frozen=True)
 class Plan:
-    shape: StepShape | None  # None: a plain autoregressive step
-    n_candidates: int
-    cand_len: int
-    tokens: int              # fed to the model (at most: candidates sharing a prefix share rows)
-    expected: float          # tokens the step is expected to emit
+    with_window: bool
+    nodes: list[int]   # the draft tree's nodes to feed, ancestors first
+    rows: int          # fed to the model
+    expected: float    # tokens the step is expected to emit
 
 
 class AutoDecoder(LookaheadDecoder):
-    EXPLORE_EVERY = 32  # steps without a verification before a cheap probe (one short candidate)
+    EXPLORE_EVERY = 32  # plain steps in a row before a cheap probe (the most likely node alone)
     DECAY = 0.97  # per step, for the window's running credit
 
     def __init__(self, ctx: DecodeContext, settings: Auto) -> None:
         super().__init__(ctx, settings)
-        layout, K = self.layout, self.layout.levels
-        self.verify_shape = StepShape(layout, with_window=False, device=ctx.device)
-        sizes = {self.verify_shape.max_rows(g, k) for g in range(1, layout.guesses + 1) for k in range(1, K + 1)}
-        sizes |= {self.full_shape.max_rows(g, K) for g in range(layout.guesses + 1)}
+        self.budget = settings.budget
+        self.verify_shape = StepShape(self.layout, with_window=False, device=ctx.device)
+        sizes = {T for T in COST_SIZES if T <= self.budget} | {self.budget}
+        if self.full_shape.n_base <= self.budget:
+            sizes |= {self.full_shape.n_base, min(self.budget, self.full_shape.n_base + self.layout.guesses)}
         self.costs = settings.costs or step_costs_for(ctx.model, sorted(sizes), settings.cost_file)
-        self.acceptance = AcceptanceStats(layout.guesses, K)
-        for matches in prompt_self_prediction(ctx.tokens, layout.ngram, layout.guesses):
-            self.acceptance.observe(matches, K, weight=0.25)
+        self.calibration = Calibration(PRIORS)
+        start = max(0, len(ctx.tokens) - PROMPT_REPLAY)
+        self.suffix.update(ctx.tokens[:start])
+        replay_calibration(self.calibration, ctx.tokens, start,
+                           text_sources(self.layout.ngram, self.layout.guesses, self.suffix_draft,
+                                        self.suffix_branches, self.suffix))
         # The window's worth: tokens accepted from candidates only the window made, per step that ran it.
         self.window_credit, self.window_steps = 0.5, 1.0  # a prior of half a token per window step
         self.since_verify = 0
 
     def step(self) -> Step:
-        if self.near_end_of_context():
+        room = self.room()
+        if room < 1:
             return self.single_step()
-        candidates = self.candidates(self.layout.guesses)
-        plan = self.choose(len(candidates))
+        tree = DraftTree.merge(self.draft_paths(room), self.calibration, max_depth=room)
+        plan = self.choose(tree)
         self.window_credit *= self.DECAY
         self.window_steps *= self.DECAY
-        if plan.shape is None:
+        if not plan.nodes and not plan.with_window:
             self.since_verify += 1
             return self.single_step()
         self.since_verify = 0
-        x = self.ctx.tokens[-1]
-        step = self.run_step(plan.shape, candidates[:plan.n_candidates], plan.cand_len)
-        self._learn(plan, x, candidates, step.detail)
+        paths = tree.paths(plan.nodes)
+        shape = self.full_shape if plan.with_window else self.verify_shape
+        step = self.run_step(shape, [p.tokens for p in paths])
+        self._learn(plan, paths, step.detail)
         return step
+
+    def draft_paths(self, room: int) -> list[DraftPath]:
+        """Every source's paths for this step (suffix drafts first: ties in chance go to them)."""
+        tokens = self.ctx.tokens
+        out = suffix_paths(self.suffix, tokens, min(self.suffix_draft, room), self.suffix_branches) \
+            if self.suffix_draft else []
+        if self.layout.guesses:
+            self.candidates(0)  # pools the n-grams the text gained
+            out += pool_paths(self.pool, tokens[-1], self.layout.guesses)
+        if self.recycled is not None:
+            widths = tuple(w or self.recycled.k for w in RECYCLE_WIDTHS)[:room]
+            out += self.recycled.paths(tokens[-1], widths)
+        return out
 
     @property
     def window_gain(self) -> float:
         return self.window_credit / self.window_steps
 
-    def options(self, available: int) -> Iterable[Plan]:
-        yield Plan(None, 0, 0, 1, 1.0)
-        est, verify = self.acceptance.expected, self.verify_shape
-        for g in range(1, available + 1):
-            for k in range(1, self.layout.levels + 1):
-                yield Plan(verify, g, k, verify.max_rows(g, k), 1.0 + est(g, k))
-        full, K = self.full_shape, self.layout.levels
-        for g in range(available + 1):
-            yield Plan(full, g, K, full.max_rows(g, K), 1.0 + est(g, K) + self.window_gain)
+    def choose(self, tree: DraftTree) -> Plan:
+        """The plan with the most expected tokens per second: b nodes, with or without the window."""
+        ranked = tree.ranked()
+        window_rows = None if self.near_end_of_context() else self.full_shape.n_base
+        with_window, b, expected = best_plan([tree.chance[i] for i in ranked], self.costs, self.budget, window_rows,
+                                             self.window_gain)
+        if not b and not with_window and ranked and self.since_verify >= self.EXPLORE_EVERY:
+            return Plan(False, ranked[:1], 2, 1.0 + tree.chance[ranked[0]])  # a probe keeps the estimates alive
+        return Plan(with_window, ranked[:b], (window_rows if with_window else 1) + b, expected)
 
-    def choose(self, available: int) -> Plan:
-        best = max(self.options(available), key=lambda p: p.expected / self.costs(p.tokens))
-        if best.shape is None and available and self.since_verify >= self.EXPLORE_EVERY:
-            return Plan(self.verify_shape, 1, 1, 2, 1.0 + self.acceptance.expected(1, 1))  # a cheap probe
-        return best
-
-    def _learn(self, plan: Plan, x: int, candidates: list[tuple[int, ...]], verdict: Verdict) -> None:
-        self.acceptance.observe(verdict.matches, plan.cand_len)
-        self.window_steps += plan.shape.with_window
-        if verdict.n_accepted and self.pool.from_window(x, candidates[verdict.winner]):
-            self.window_credit += verdict.n_accepted
+    def _learn(self, plan: Plan, paths: list[DraftPath], verdict: Verdict) -> None:
+        self.calibration.learn(paths, verdict.matches)
+        self.window_steps += plan.with_window
+        if verdict.n_accepted:
+            keys = paths[verdict.winner].keys[:verdict.n_accepted]
+            self.window_credit += sum(source == "window" for source, _ in keys)

@@ -6,6 +6,12 @@ Each step is one forward pass over two branches packed side by side (geometry in
 - the verification branch, up to G candidate n-grams from the pool that start with the input token. The model's
   own choices along them decide how many candidate tokens are accepted (greedy or lossless sampling).
 A step emits the accepted tokens plus the model's next token, so at least one token, at most N.
+
+Options beyond the paper (off by default, so Lookahead(W, N, G) stays the published algorithm): suffix drafts
+(minilade/drafts/suffix.py), paths of up to `suffix_draft` tokens copied from where the text's ending occurred
+before, verified in the same trie as the pool's candidates (candidates may then differ in length, and a step may
+emit more than N tokens); token recycling (minilade/drafts/recycle.py), `recycle_topk` chains of N - 1 tokens
+drafted from the model's own top-k next tokens recorded at every row it read.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..drafts.recycle import RecycleTable
+from ..drafts.suffix import SuffixIndex
+from ..drafts.tree import padded_tokens
 from ..masks import CandidateTree, LookaheadLayout, StepShape
 from ..ngram_pool import NGramPool
 from ..verify import greedy_verify, sample_verify
@@ -25,7 +34,11 @@ class Lookahead(Strategy):
     """window W, ngram N, guesses G (see masks.py). pool_capacity: continuations kept per key (default G).
     seed: the initial window is drawn from the prompt with it, so step counts are reproducible.
     bonus_token: after a wholly accepted candidate also emit the model's next token (up to N tokens a step);
-    False caps a step at N - 1 tokens as the published reference does, for comparisons with it."""
+    False caps a step at N - 1 tokens as the published reference does, for comparisons with it.
+    suffix_draft: also verify suffix drafts of up to this many tokens each (0: none, the paper's algorithm);
+    suffix_branches: at most this many of them a step (occurrences of the text's ending that disagree).
+    recycle_topk: keep the model's top-k next tokens after every token it reads (a (V, k) table) and also verify
+    k chains of N - 1 tokens drafted from it (0: off)."""
 
     window: int = 5
     ngram: int = 4
@@ -34,25 +47,39 @@ class Lookahead(Strategy):
     pool_capacity: int | None = None
     seed: int = 0
     bonus_token: bool = True
+    suffix_draft: int = 0
+    suffix_branches: int = 1
+    recycle_topk: int = 0
     name = "lookahead"
 
     def __post_init__(self) -> None:
         LookaheadLayout(self.window, self.ngram, self.guesses)  # validates W, N, G
         if self.pool_capacity is not None and self.pool_capacity < 1:
             raise ValueError(f"pool capacity must be >= 1, got {self.pool_capacity}")
+        whole_number(self.suffix_draft, "suffix_draft (longest suffix draft, 0 = off)", minimum=0)
+        whole_number(self.suffix_branches, "suffix_branches (suffix drafts per step)", minimum=1)
+        whole_number(self.recycle_topk, "recycle_topk (recycled next tokens per token, 0 = off)", minimum=0)
 
     @property
     def layout(self) -> LookaheadLayout:
         return LookaheadLayout(self.window, self.ngram, self.guesses)
 
     def max_step_tokens(self) -> int:
-        return self.layout.max_rows
+        return self.layout.max_rows + self.suffix_branches * self.suffix_draft + self.recycle_topk * self.layout.levels
 
     def make_decoder(self, ctx: DecodeContext) -> Decoder:
         return LookaheadDecoder(ctx, self)
 
     def __str__(self) -> str:
-        return f"lookahead(W={self.window}, N={self.ngram}, G={self.guesses})"
+        suffix = f", suffix {self.suffix_branches}x{self.suffix_draft}" if self.suffix_draft else ""
+        recycle = f", recycle top-{self.recycle_topk}" if self.recycle_topk else ""
+        return f"lookahead(W={self.window}, N={self.ngram}, G={self.guesses}{suffix}{recycle})"
+
+
+def whole_number(value: object, what: str, minimum: int) -> None:
+    """A one-line ValueError unless value is an int (not a bool) >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{what} must be a whole number >= {minimum}, got {value!r}")
 
 
 @dataclass
@@ -82,15 +109,38 @@ class LookaheadDecoder(Decoder):
         picks = torch.randint(len(prompt), (layout.levels, layout.window), generator=gen)
         self.window = torch.tensor(prompt)[picks]  # (N-1, W), on the host
         self.model_levels = 0  # how many of the window's levels the model has produced so far
+        self.suffix_draft, self.suffix_branches = settings.suffix_draft, settings.suffix_branches
+        self.suffix = SuffixIndex()
+        self.recycled = RecycleTable(ctx.model.config.vocab_size, settings.recycle_topk, ctx.device) \
+            if settings.recycle_topk else None
 
     def step(self) -> Step:
         if self.near_end_of_context():
             return self.single_step()
-        return self.run_step(self.full_shape, self.candidates(self.layout.guesses), self.layout.levels)
+        candidates = self.suffix_candidates() + self.candidates(self.layout.guesses) + self.recycled_candidates()
+        return self.run_step(self.full_shape, candidates)
+
+    def recycled_candidates(self) -> list[tuple[int, ...]]:
+        """k chains of N - 1 tokens from the recycling table (none when the option is off)."""
+        if self.recycled is None:
+            return []
+        widths = (self.recycled.k,) + (1,) * (self.layout.levels - 1)
+        return [p.tokens for p in self.recycled.paths(self.ctx.tokens[-1], widths[:self.room()])]
 
     def near_end_of_context(self) -> bool:
         """Too close to the end of the context for the window's positions."""
         return self.ctx.cache.length + self.layout.max_offset >= self.ctx.limit
+
+    def room(self) -> int:
+        """The longest draft whose positions stay inside the context (x sits at cache.length)."""
+        return self.ctx.limit - 1 - self.ctx.cache.length
+
+    def suffix_candidates(self) -> list[tuple[int, ...]]:
+        """The suffix drafts of this step (none when the option is off), cut to the context's room."""
+        length = min(self.suffix_draft, self.room())
+        if length < 1:
+            return []
+        return [d.tokens for d in self.suffix.drafts(self.ctx.tokens, length, self.suffix_branches)]
 
     def candidates(self, limit: int) -> list[tuple[int, ...]]:
         """Up to `limit` continuations of the input token, after pooling the n-grams the text gained."""
@@ -98,23 +148,23 @@ class LookaheadDecoder(Decoder):
         self.ngram_start = max(0, len(self.ctx.tokens) - self.layout.ngram + 1)
         return self.pool.candidates(self.ctx.tokens[-1], limit)
 
-    def run_step(self, shape: StepShape, candidates: list[tuple[int, ...]], cand_len: int) -> Step:
-        """One forward pass over the shape's base rows and the candidates cut to cand_len tokens; commits the
-        accepted tokens' K/V, advances the window (if it ran) and emits. The Step's detail is the Verdict."""
+    def run_step(self, shape: StepShape, candidates: list[tuple[int, ...]]) -> Step:
+        """One forward pass over the shape's base rows and the candidates (of any lengths >= 1, a trie);
+        commits the accepted tokens' K/V, advances the window (if it ran) and emits. The Step's detail is the
+        Verdict."""
         x = self.ctx.tokens[-1]
-        cands = torch.tensor([c[:cand_len] for c in candidates], dtype=torch.long).view(-1, cand_len)
-        tree = CandidateTree.build(cands)
-        verdict = self._forward_and_verify(shape, x, cands, tree)
+        cands, lengths = padded_tokens(candidates)
+        tree = CandidateTree.build(cands, lengths)
+        verdict = self._forward_and_verify(shape, x, tree)
         self._commit(shape, tree, verdict)
         if shape.with_window:
             self._advance_window(x, verdict.new_level)
-        return Step(self.emit(verdict.emitted), shape.kind(len(candidates), cand_len), shape.n_base + tree.size,
-                    verdict)
+        return Step(self.emit(verdict.emitted), shape.kind(len(candidates), cands.shape[1] if candidates else 0),
+                    shape.n_base + tree.size, verdict)
 
-    def _forward_and_verify(self, shape: StepShape, x: int, candidates: torch.Tensor,
-                            tree: CandidateTree) -> Verdict:
+    def _forward_and_verify(self, shape: StepShape, x: int, tree: CandidateTree) -> Verdict:
         ctx, layout = self.ctx, self.layout
-        g, device = candidates.shape[0], ctx.device
+        g, device = tree.node_of.shape[0], ctx.device
         if shape.with_window:
             base = self.window.flatten()  # a view: this also puts x into the window's slot [0, 0]
             base[0] = x
@@ -124,14 +174,17 @@ class LookaheadDecoder(Decoder):
         mask, offsets, read = shape.assemble(tree)
         logits = ctx.model(tokens[None], ctx.cache.length + offsets, ctx.cache, mask, logits_rows=read)[0]  # (R, V)
         n_read, first_logits = len(shape.read), logits[0]
+        if self.recycled is not None:
+            self.recycled.update(tokens[read], logits)
         if shape.with_window:  # the lookahead branch only proposes, so it is greedy even when sampling
             new_level = logits[n_read - layout.window:n_read].argmax(-1)
         else:
             new_level = torch.zeros(0, dtype=torch.long, device=device)
-        cand_logits = logits[n_read:][tree.node_of.to(device)]  # (g, k, V): each candidate token's node
-        cand_dev = candidates.to(device)
+        cand_logits = logits[n_read:][tree.node_of.to(device)]  # (g, K, V): each candidate token's node
+        candidates = tree.tokens[tree.node_of].to(device)  # (g, K), past a candidate's end: its last token again
         first_choice = first_logits.argmax(-1)
-        best, n_acc, matches, emitted = self._verify(first_choice, first_logits, cand_dev, cand_logits)
+        best, n_acc, matches, emitted = self._verify(first_choice, first_logits, candidates, cand_logits,
+                                                     tree.lengths.to(device))
         # The one host sync of the step.
         readback = torch.cat([best.view(1), n_acc.view(1), matches, emitted, new_level]).tolist()
         best, n_acc = readback[0], readback[1]
@@ -139,18 +192,20 @@ class LookaheadDecoder(Decoder):
         return Verdict(rest[:n_acc + 1], best, n_acc, matches, rest[emitted.numel():])
 
     def _verify(self, first_choice: torch.Tensor, first_logits: torch.Tensor, candidates: torch.Tensor,
-                cand_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                cand_logits: torch.Tensor, lengths: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(winner, accepted count, per-candidate argmax matches, emitted chain) on the device."""
         sampler = self.ctx.sampler
         if candidates.shape[0] == 0:
             zero = first_choice.new_zeros(())
             token = first_choice if sampler.greedy else sampler.draw(sampler.probs(first_logits))
             return zero, zero, first_choice.new_zeros(0), token.view(1)
-        best, n_acc, chain, matches = greedy_verify(first_choice, candidates, cand_logits.argmax(-1))
+        best, n_acc, chain, matches = greedy_verify(first_choice, candidates, cand_logits.argmax(-1), lengths)
         if not sampler.greedy:
-            best, n_acc, chain = sample_verify(sampler.probs(first_logits), candidates, cand_logits, sampler)
+            best, n_acc, chain = sample_verify(sampler.probs(first_logits), candidates, cand_logits, sampler,
+                                               lengths=lengths)
         if not self.bonus_token:
-            n_acc = n_acc.clamp(max=candidates.shape[1] - 1)
+            n_acc = n_acc.clamp(max=self.layout.levels - 1)
         return best, n_acc, matches, chain
 
     def _commit(self, shape: StepShape, tree: CandidateTree, verdict: Verdict) -> None:

@@ -9,7 +9,7 @@ import torch
 
 import minilade.decoding.step_costs as step_costs
 from minilade.decoding import Autoregressive
-from minilade.decoding.auto import AcceptanceStats, Auto, prompt_self_prediction
+from minilade.decoding.auto import Auto, best_plan
 from minilade.decoding.step_costs import StepCosts, step_costs_for
 from minilade.sampling import SamplingParams
 
@@ -19,25 +19,6 @@ from ..helpers import chi_square_p_value, exact_distribution, run_tokens, sample
 def test_step_costs_interpolate_between_measured_sizes() -> None:
     costs = StepCosts({1: 1.0, 4: 2.5, 8: 3.0})
     assert costs(1) == 1.0 and costs(2) == 1.5 and costs(4) == 2.5 and costs(6) == 2.75 and costs(16) == 6.0
-
-
-def test_acceptance_counterfactuals_from_one_step() -> None:
-    stats = AcceptanceStats(guesses=3, cand_len=4, prior_weight=1e-9, decay=1.0)
-    stats.observe([1, 3, 0], cand_len=4)  # candidate 1 matched 3 tokens
-    assert stats.expected(1, 4) == pytest.approx(1)  # only the first candidate
-    assert stats.expected(2, 4) == pytest.approx(3) and stats.expected(3, 4) == pytest.approx(3)
-    assert stats.expected(2, 2) == pytest.approx(2)  # candidates cut to 2 tokens
-    stats.observe([0], cand_len=4)
-    assert stats.expected(1, 4) == pytest.approx(0.5) and stats.expected(2, 4) == pytest.approx(3)
-
-
-def test_prompt_self_prediction_tells_repetitive_from_random_text() -> None:
-    repetitive = [1, 2, 3, 4, 5] * 20
-    rng = torch.Generator().manual_seed(0)
-    random = torch.randint(0, 1000, (100,), generator=rng).tolist()
-    hits = prompt_self_prediction(repetitive, ngram=4, guesses=2)
-    assert len(hits) > 80 and all(m == [3] for m in hits[-50:-3])  # the last ones have less text to match
-    assert all(m == [0] for m in prompt_self_prediction(random, ngram=4, guesses=2))  # a few repeated tokens
 
 
 def costs_of(seconds) -> StepCosts:
@@ -146,3 +127,47 @@ def test_a_file_that_is_not_a_cost_table_is_not_overwritten(tmp_path) -> None:
     with pytest.raises(ValueError, match="is not a step-cost table; refusing to overwrite it"):
         step_costs_for(model, [1, 2], precious)
     assert precious.read_text() == '["not", "a", "cost", "table"]'
+
+
+def test_best_plan_feeds_nodes_while_they_pay() -> None:
+    chances = [0.9, 0.8, 0.5, 0.1, 0.01]
+    flat = costs_of(lambda T: 1.0)
+    assert best_plan(chances, flat, budget=64) == (False, 5, pytest.approx(1 + 2.31))  # free rows: feed them all
+    assert best_plan(chances, flat, budget=3)[:2] == (False, 2)  # x and two nodes fill a budget of 3 rows
+    linear = costs_of(lambda T: float(T))  # a row costs as much as a step: only a node surer than 1 would pay
+    assert best_plan(chances, linear, budget=64)[:2] == (False, 0)
+    # 1 + 0.2 T: the n-th node pays while its chance exceeds 0.2 x the expected tokens per cost so far.
+    assert best_plan(chances, costs_of(lambda T: 1.0 + 0.2 * T), budget=64)[:2] == (False, 3)
+
+
+def test_best_plan_runs_the_window_only_when_its_gain_pays_for_its_rows() -> None:
+    costs = costs_of(lambda T: 1.0 + 0.05 * T)
+    assert best_plan([0.5], costs, budget=64, window_rows=12, window_gain=0.1)[:2] == (False, 1)
+    assert best_plan([0.5], costs, budget=64, window_rows=12, window_gain=2.0)[:2] == (True, 1)
+    assert best_plan([0.5], costs, budget=11, window_rows=12, window_gain=2.0)[:2] == (False, 1)  # over budget
+
+
+def test_auto_near_the_end_of_the_context_stays_exact() -> None:
+    model = tiny_model(vocab=12, seed=2)
+    limit = model.config.max_seq_len
+    prompt = ([1, 2, 3] * 200)[:limit - 30]
+    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=50)
+    got, run = run_tokens(model, prompt, Auto(3, 4, 3, costs=costs_of(lambda T: 1.0)), max_new_tokens=50)
+    assert got == expected and run.finish_reason == "context" and run.stats.steps < 29
+
+
+@pytest.mark.parametrize("field,value", [("draft_budget", 0), ("draft_budget", 1.5), ("suffix_draft", -2)])
+def test_invalid_auto_settings(field: str, value) -> None:
+    with pytest.raises(ValueError, match=f"{field} .*must be a whole number"):
+        Auto(**{field: value})
+
+
+def test_the_draft_budget_bounds_every_step() -> None:
+    model = tiny_model(vocab=12, seed=1)
+    prompt = [1, 2, 3, 4] * 6
+    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=48)
+    strategy = Auto(2, 3, 2, draft_budget=5, costs=costs_of(lambda T: 1.0))
+    assert strategy.max_step_tokens() == 5
+    got, run = run_tokens(model, prompt, strategy, max_new_tokens=48)
+    assert got == expected and run.stats.tokens_fed <= 5 * run.stats.steps
+    assert max(run.stats.tokens_per_step) == 5  # x and four drafted tokens, all accepted, and the bonus token

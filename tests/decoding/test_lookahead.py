@@ -104,3 +104,76 @@ def test_without_the_bonus_token_a_step_emits_at_most_n_minus_1() -> None:
     without, capped = run_tokens(model, prompt, Lookahead(4, 4, 4, bonus_token=False), max_new_tokens=40)
     assert with_bonus == without == expected
     assert max(run.stats.tokens_per_step) == 4 and max(capped.stats.tokens_per_step) == 3
+
+
+# ---- suffix drafts (ragged candidates of any length) -------------------------------------------------------------
+
+SUFFIX_SETTINGS = [dict(window=1, ngram=2, guesses=0, suffix_draft=6), dict(window=3, ngram=3, guesses=2, suffix_draft=9,
+                                                                           suffix_branches=3),
+                   dict(window=4, ngram=4, guesses=4, suffix_draft=1, suffix_branches=2)]
+
+
+@pytest.mark.parametrize("model_seed", range(3))
+def test_greedy_with_suffix_drafts_equals_autoregressive(model_seed: int) -> None:
+    model = tiny_model(vocab=8 + 4 * model_seed, seed=model_seed)
+    gen = torch.Generator().manual_seed(200 + model_seed)
+    longer_than_n = 0
+    for trial in range(3):
+        length = int(torch.randint(1, 24, (1,), generator=gen))
+        prompt = torch.randint(0, model.config.vocab_size, (length,), generator=gen).tolist()
+        expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=48)
+        for settings in SUFFIX_SETTINGS:
+            got, run = run_tokens(model, prompt, Lookahead(**settings), max_new_tokens=48)
+            assert got == expected, (prompt, settings)
+            assert max(run.stats.tokens_per_step) <= settings["suffix_draft"] + 1 + max(settings["ngram"] - 1, 0)
+            longer_than_n += max(run.stats.tokens_per_step) > settings["ngram"]
+    assert longer_than_n > 0, "no step emitted more than N tokens: suffix drafts were never accepted past N - 1"
+
+
+def test_suffix_drafts_near_the_end_of_the_context_never_overrun_it() -> None:
+    model = tiny_model(vocab=12, seed=2)
+    limit = model.config.max_seq_len
+    prompt = ([1, 2, 3] * 200)[:limit - 30]
+    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=50)
+    strategy = Lookahead(1, 2, 0, suffix_draft=64, suffix_branches=2)  # drafts far longer than the room left
+    got, run = run_tokens(model, prompt, strategy, max_new_tokens=50)
+    assert got == expected and len(got) == 30 and run.finish_reason == "context"
+    assert run.stats.steps < 29  # drafts were accepted, cut to the room left
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("suffix_draft", -1, "suffix_draft .* must be a whole number >= 0"),
+    ("suffix_draft", 2.5, "suffix_draft .* must be a whole number >= 0"),
+    ("suffix_branches", 0, "suffix_branches .* must be a whole number >= 1"),
+    ("suffix_branches", True, "suffix_branches .* must be a whole number >= 1"),
+])
+def test_invalid_suffix_settings(field: str, value, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Lookahead(**{field: value})
+
+
+def test_suffix_drafts_are_off_by_default_and_budget_the_cache() -> None:
+    assert Lookahead(7, 5, 7).max_step_tokens() == 56
+    assert Lookahead(7, 5, 7, suffix_draft=16, suffix_branches=2).max_step_tokens() == 56 + 32
+
+
+@pytest.mark.parametrize("model_seed", range(2))
+def test_greedy_with_recycled_drafts_equals_autoregressive(model_seed: int) -> None:
+    model = tiny_model(vocab=10 + 4 * model_seed, seed=model_seed)
+    gen = torch.Generator().manual_seed(300 + model_seed)
+    accepted = 0
+    for trial in range(3):
+        prompt = torch.randint(0, model.config.vocab_size, (int(torch.randint(1, 20, (1,), generator=gen)),),
+                               generator=gen).tolist()
+        expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=40)
+        for strategy in (Lookahead(1, 3, 0, recycle_topk=3), Lookahead(3, 4, 2, recycle_topk=2, suffix_draft=5)):
+            got, run = run_tokens(model, prompt, strategy, max_new_tokens=40)
+            assert got == expected, (prompt, strategy)
+            accepted += run.stats.forward_passes < run.stats.new_tokens
+    assert accepted > 0
+
+
+def test_recycling_budgets_the_cache_and_validates_k() -> None:
+    assert Lookahead(7, 5, 7, recycle_topk=3).max_step_tokens() == 56 + 3 * 4
+    with pytest.raises(ValueError, match="recycle_topk .* must be a whole number >= 0"):
+        Lookahead(recycle_topk=-1)

@@ -1,0 +1,84 @@
+"""Draft paths from each source, with the calibration key of every token, and the replay that scores them on text.
+
+Keys (source, bucket) say what a token's chance of being right depends on:
+- ("suffix", (m, branch)): a suffix draft's token that continues an m-token match (m = key length + tokens drafted
+  before it, capped at MAX_MATCH); branch is False for the most recent occurrence of the longest match;
+- ("pool", depth) / ("window", depth): a pool candidate's token at that depth, from an n-gram the text contained or
+  one only the lookahead window produced.
+`replay_calibration` runs the same sources over text whose continuation is known (the prompt), so the estimates
+start from how predictable this text is rather than from a guess.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from ..ngram_pool import NGramPool
+from .suffix import SuffixIndex
+from .tree import Calibration, DraftPath
+
+MAX_MATCH = 12  # matches at least this long share one calibration bucket
+
+
+def suffix_paths(index: SuffixIndex, tokens: Sequence[int], length: int, branches: int) -> list[DraftPath]:
+    """The suffix index's drafts for the text `tokens`, as keyed paths."""
+    out = []
+    for d in index.drafts(tokens, length, branches):
+        keys = tuple(("suffix", (min(d.match + i, MAX_MATCH), d.rank > 0)) for i in range(len(d.tokens)))
+        out.append(DraftPath(d.tokens, keys))
+    return out
+
+
+def pool_paths(pool: NGramPool, key: int, limit: int) -> list[DraftPath]:
+    """Up to `limit` pool continuations of `key`, as keyed paths."""
+    out = []
+    for cont in pool.candidates(key, limit):
+        source = "window" if pool.from_window(key, cont) else "pool"
+        out.append(DraftPath(cont, tuple((source, i) for i in range(len(cont)))))
+    return out
+
+
+def leading_matches(paths: Sequence[DraftPath], truth: Sequence[int]) -> list[int]:
+    """Per path, how many of its first tokens equal the text that really followed."""
+    out = []
+    for p in paths:
+        m = 0
+        while m < len(p.tokens) and m < len(truth) and p.tokens[m] == truth[m]:
+            m += 1
+        out.append(m)
+    return out
+
+
+PathMaker = Callable[[Sequence[int]], list[DraftPath]]
+
+
+def replay_calibration(calibration: Calibration, tokens: Sequence[int], start: int, paths_for: PathMaker,
+                       weight: float = 0.25) -> int:
+    """Teach `calibration` what the drafts for every prefix tokens[:j + 1], j >= start, got right about the
+    tokens that follow it. paths_for sees the prefixes in increasing order (a suffix index may grow with them).
+    Returns how many prefixes had drafts."""
+    drafted = 0
+    for j in range(start, len(tokens) - 1):
+        paths = paths_for(tokens[:j + 1])
+        if paths:
+            drafted += 1
+            truth = tokens[j + 1:j + 1 + max(len(p.tokens) for p in paths)]
+            calibration.learn(paths, leading_matches(paths, truth), weight)
+    return drafted
+
+
+def text_sources(ngram: int, guesses: int, suffix_draft: int, suffix_branches: int,
+                 index: SuffixIndex | None = None) -> PathMaker:
+    """Drafts that depend on the text alone (suffix drafts, then the pool of the text's n-grams), for replaying over
+    text whose continuation is known; the pool and index grow with the prefixes they are shown."""
+    index = index if index is not None else SuffixIndex()
+    pool = NGramPool(ngram, max(guesses, 1))
+    pooled = [0]  # first n-gram start not yet pooled
+
+    def paths_for(prefix: Sequence[int]) -> list[DraftPath]:
+        pool.add_ngrams(prefix, pooled[0])
+        pooled[0] = max(pooled[0], len(prefix) - ngram + 1)
+        out = suffix_paths(index, prefix, suffix_draft, suffix_branches) if suffix_draft else []
+        return out + (pool_paths(pool, prefix[-1], guesses) if guesses else [])
+
+    return paths_for

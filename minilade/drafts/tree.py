@@ -1,0 +1,142 @@
+"""One scored draft tree per step: paths from every source merged into a trie, each node with an estimated chance
+of being accepted, and the b most likely nodes chosen for the model to verify.
+
+A node is accepted when its parent is (x, the root, always is) and the model's choice after the parent is the
+node's token. Each drafted token carries a calibration key (its source and a bucket, e.g. ("suffix", 5): a suffix
+draft continuing a 5-token match); `Calibration` keeps, per key, the running fraction of tokens that were right
+when their parent was, learnt from what every verification reveals. A node's chance is the product of its path's
+conditional chances, so it never exceeds its parent's: the b most likely nodes (ties to the shallower) always
+include their ancestors, and the expected number of accepted draft tokens of a chosen set is the sum of its nodes'
+chances (siblings carry different tokens, so at most one of them is accepted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import torch
+
+Key = tuple[str, Hashable]  # (source, bucket)
+
+
+@dataclass(frozen=True)
+class DraftPath:
+    """Tokens proposed to follow the input token, with one calibration key per token."""
+
+    tokens: tuple[int, ...]
+    keys: tuple[Key, ...]
+
+
+class Calibration:
+    """Per calibration key, the decayed fraction of drafted tokens that were right when their parent was right.
+
+    Starts from `priors[source]` (default `prior`) worth `prior_weight` observations; every observation fades
+    older ones by `decay`, so the estimate follows the text.
+    """
+
+    def __init__(self, priors: dict[str, float] | None = None, prior: float = 0.3, prior_weight: float = 2.0,
+                 decay: float = 0.995) -> None:
+        self.priors, self.prior, self.prior_weight, self.decay = dict(priors or {}), prior, prior_weight, decay
+        self._hits: dict[Key, float] = {}
+        self._trials: dict[Key, float] = {}
+
+    def chance(self, key: Key) -> float:
+        if key not in self._trials:
+            return self.priors.get(key[0], self.prior)
+        return self._hits[key] / self._trials[key]
+
+    def observe(self, key: Key, right: bool, weight: float = 1.0) -> None:
+        if key not in self._trials:
+            p = self.priors.get(key[0], self.prior)
+            self._hits[key], self._trials[key] = p * self.prior_weight, self.prior_weight
+        self._hits[key] = self.decay * self._hits[key] + weight * right
+        self._trials[key] = self.decay * self._trials[key] + weight
+
+    def learn(self, paths: Sequence[DraftPath], matches: Sequence[int], weight: float = 1.0) -> None:
+        """Learn from one verification of `paths`: matches[j] leading tokens of path j equalled the model's
+        choices. Token i of a path was tried with its parent right when i <= matches[j], and right when
+        i < matches[j]; a node shared by several paths is counted once."""
+        seen: set[tuple[int, ...]] = set()
+        for path, m in zip(paths, matches):
+            for i in range(min(m + 1, len(path.tokens))):
+                prefix = path.tokens[:i + 1]
+                if prefix not in seen:
+                    seen.add(prefix)
+                    self.observe(path.keys[i], i < m, weight)
+
+
+@dataclass
+class DraftTree:
+    """Paths merged into a trie. Node i: tokens[i], parent[i] (-1: the root x), chance[i] (of being accepted),
+    key[i] (the calibration key of the most confident source that proposed it)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parent: list[int] = field(default_factory=list)
+    chance: list[float] = field(default_factory=list)
+    key: list[Key] = field(default_factory=list)
+    _child: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent, token) -> node
+
+    @classmethod
+    def merge(cls, paths: Sequence[DraftPath], calibration: Calibration, max_depth: int | None = None
+              ) -> "DraftTree":
+        tree = cls()
+        for path in paths:
+            tree.add(path, calibration, max_depth)
+        return tree
+
+    def add(self, path: DraftPath, calibration: Calibration, max_depth: int | None = None) -> None:
+        node, above = -1, 1.0
+        for token, key in list(zip(path.tokens, path.keys))[:max_depth]:
+            chance = above * calibration.chance(key)
+            child = self._child.get((node, token))
+            if child is None:
+                child = len(self.tokens)
+                self._child[(node, token)] = child
+                self.tokens.append(token)
+                self.parent.append(node)
+                self.chance.append(chance)
+                self.key.append(key)
+            elif chance > self.chance[child]:  # a more confident source: raise this node, not its descendants
+                self.chance[child], self.key[child] = chance, key
+            node, above = child, self.chance[child]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def ranked(self) -> list[int]:
+        """Nodes from the most to the least likely, the shallower first among equals. A node's chance never exceeds
+        its parent's (chances are products of conditional chances <= 1, and raising a node does not raise its
+        descendants), so every node comes after its ancestors and any prefix of this order is a tree."""
+        depth = self.depths()
+        return sorted(range(len(self)), key=lambda i: (-self.chance[i], depth[i], i))
+
+    def depths(self) -> list[int]:
+        depth: list[int] = []
+        for p in self.parent:  # parents precede children
+            depth.append(0 if p < 0 else depth[p] + 1)
+        return depth
+
+    def paths(self, nodes: Sequence[int]) -> list[DraftPath]:
+        """The root-to-leaf paths of the sub-tree made of `nodes` (closed under ancestors), most likely leaf first."""
+        chosen = set(nodes)
+        inner = {self.parent[i] for i in chosen}
+        leaves = sorted((i for i in chosen if i not in inner), key=lambda i: -self.chance[i])
+        out = []
+        for leaf in leaves:
+            tokens, keys, i = [], [], leaf
+            while i >= 0:
+                tokens.append(self.tokens[i])
+                keys.append(self.key[i])
+                i = self.parent[i]
+            out.append(DraftPath(tuple(reversed(tokens)), tuple(reversed(keys))))
+        return out
+
+
+def padded_tokens(paths: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, K) tokens padded with 0 and (g,) lengths, K the longest path (at least 1). Paths must not be empty."""
+    K = max((len(p) for p in paths), default=1)
+    tokens = torch.zeros(len(paths), K, dtype=torch.long)
+    for j, p in enumerate(paths):
+        tokens[j, :len(p)] = torch.tensor(p, dtype=torch.long)
+    return tokens, torch.tensor([len(p) for p in paths], dtype=torch.long)
