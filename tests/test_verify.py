@@ -126,19 +126,22 @@ def test_greedy_verify_ragged_never_accepts_past_a_path_end() -> None:
     assert int(n) == 2 and chain[:3].tolist() == [5, 6, 7]  # a wholly matched short path keeps its bonus token
 
 
+def verify_ragged(uniforms: list[float]):
+    """Path [1] (length 1, padded with 3, D1's likeliest token) and path [2, 0]."""
+    sampler = ScriptedSampler(uniforms)
+    best, n, emitted = sample_verify(P0, torch.tensor([[1, 3], [2, 0]]),
+                                     torch.stack([torch.stack([D1, D1]), torch.stack([D2, D3])]), sampler,
+                                     lengths=torch.tensor([1, 2]))
+    return int(best), int(n), emitted[:int(n) + 1].tolist(), sampler.draws
+
+
 def test_sample_verify_ragged_stops_at_the_end_of_the_accepted_path() -> None:
-    # Path [1] (length 1, padded with 3) and path [2, 0]. Token 1 (p 0.3) accepted with u 0.1: its path ends, so
-    # the bonus is drawn from the distribution after 1 even though the padding (3) would be D1's likeliest token.
-    sampler = ScriptedSampler([0.1, 0.0, 0.0, 0.0])
-    best, n, emitted = sample_verify(P0, torch.tensor([[1, 3], [2, 0]]),
-                                     torch.stack([torch.stack([D1, D1]), torch.stack([D2, D3])]), sampler,
-                                     lengths=torch.tensor([1, 2]))
-    assert (int(best), int(n)) == (0, 1) and emitted[:2].tolist() == [1, 3]
-    torch.testing.assert_close(sampler.draws[0], D1.softmax(-1))
+    # Token 1 (p 0.3) accepted with u 0.1: its path ends, so the bonus is drawn from the distribution after 1, and
+    # the padding is never tried.
+    best, n, emitted, draws = verify_ragged([0.1, 0.0, 0.0, 0.0])
+    assert (best, n) == (0, 1) and emitted == [1, 3]
+    torch.testing.assert_close(draws[0], D1.softmax(-1))
     # Token 1 rejected (u 0.9), token 2 accepted (u 0.0), then the longer path's 0 is tried after 2.
-    sampler = ScriptedSampler([0.9, 0.0, 0.0, 0.0])
-    best, n, emitted = sample_verify(P0, torch.tensor([[1, 3], [2, 0]]),
-                                     torch.stack([torch.stack([D1, D1]), torch.stack([D2, D3])]), sampler,
-                                     lengths=torch.tensor([1, 2]))
-    assert (int(best), int(n)) == (1, 2) and emitted[:2].tolist() == [2, 0]
-    torch.testing.assert_close(sampler.draws[0], D3.softmax(-1))
+    best, n, emitted, draws = verify_ragged([0.9, 0.0, 0.0, 0.0])
+    assert (best, n) == (1, 2) and emitted[:2] == [2, 0]
+    torch.testing.assert_close(draws[0], D3.softmax(-1))

@@ -34,24 +34,30 @@ def test_invalid_settings(W: int, N: int, G: int) -> None:
 SETTINGS = [(1, 2, 0), (1, 2, 3), (3, 2, 2), (1, 4, 2), (4, 3, 4), (5, 4, 5), (2, 5, 1), (7, 5, 7), (4, 6, 0)]
 
 
+def checked_runs(model, seed: int, strategies: list, trials: int = 3, max_new_tokens: int = 48) -> list:
+    """(strategy, run) of every strategy on `trials` random prompts, each output asserted equal to autoregressive."""
+    gen = torch.Generator().manual_seed(seed)
+    runs = []
+    for trial in range(trials):
+        length = int(torch.randint(1, 24, (1,), generator=gen))
+        prompt = torch.randint(0, model.config.vocab_size, (length,), generator=gen).tolist()
+        expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=max_new_tokens)
+        for strategy in strategies:
+            got, run = run_tokens(model, prompt, strategy, max_new_tokens=max_new_tokens)
+            assert got == expected, (prompt, strategy)
+            runs.append((strategy, run))
+    return runs
+
+
 @pytest.mark.parametrize("model_seed", range(4))
 def test_greedy_lookahead_equals_autoregressive(model_seed: int) -> None:
     """The central invariant, over random tiny models, prompts and (W, N, G)."""
     model = tiny_model(vocab=12 + 4 * model_seed, seed=model_seed)
-    gen = torch.Generator().manual_seed(100 + model_seed)
-    accepted_more_than_one = 0
-    for trial in range(3):
-        length = int(torch.randint(1, 24, (1,), generator=gen))
-        prompt = torch.randint(0, model.config.vocab_size, (length,), generator=gen).tolist()
-        expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=48)
-        for W, N, G in SETTINGS:
-            for from_prompt in (True, False):
-                got, run = run_tokens(model, prompt, Lookahead(W, N, G, pool_from_prompt=from_prompt),
-                                      max_new_tokens=48)
-                assert got == expected, (prompt, W, N, G, from_prompt)
-                assert max(run.stats.tokens_per_step) <= N
-                accepted_more_than_one += run.stats.forward_passes < run.stats.new_tokens
-    assert accepted_more_than_one > 0, "lookahead never accepted a candidate: the test would prove nothing"
+    strategies = [Lookahead(W, N, G, pool_from_prompt=p) for W, N, G in SETTINGS for p in (True, False)]
+    runs = checked_runs(model, 100 + model_seed, strategies)
+    assert all(max(run.stats.tokens_per_step) <= s.ngram for s, run in runs)
+    assert any(run.stats.forward_passes < run.stats.new_tokens for _, run in runs), \
+        "lookahead never accepted a candidate: the test would prove nothing"
 
 
 def test_stop_inside_an_accepted_block_cuts_where_autoregressive_stops() -> None:
@@ -116,18 +122,10 @@ SUFFIX_SETTINGS = [dict(window=1, ngram=2, guesses=0, suffix_draft=6), dict(wind
 @pytest.mark.parametrize("model_seed", range(3))
 def test_greedy_with_suffix_drafts_equals_autoregressive(model_seed: int) -> None:
     model = tiny_model(vocab=8 + 4 * model_seed, seed=model_seed)
-    gen = torch.Generator().manual_seed(200 + model_seed)
-    longer_than_n = 0
-    for trial in range(3):
-        length = int(torch.randint(1, 24, (1,), generator=gen))
-        prompt = torch.randint(0, model.config.vocab_size, (length,), generator=gen).tolist()
-        expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=48)
-        for settings in SUFFIX_SETTINGS:
-            got, run = run_tokens(model, prompt, Lookahead(**settings), max_new_tokens=48)
-            assert got == expected, (prompt, settings)
-            assert max(run.stats.tokens_per_step) <= settings["suffix_draft"] + 1 + max(settings["ngram"] - 1, 0)
-            longer_than_n += max(run.stats.tokens_per_step) > settings["ngram"]
-    assert longer_than_n > 0, "no step emitted more than N tokens: suffix drafts were never accepted past N - 1"
+    runs = checked_runs(model, 200 + model_seed, [Lookahead(**settings) for settings in SUFFIX_SETTINGS])
+    assert all(max(run.stats.tokens_per_step) <= s.suffix_draft + s.ngram for s, run in runs)
+    assert any(max(run.stats.tokens_per_step) > s.ngram for s, run in runs), \
+        "no step emitted more than N tokens: suffix drafts were never accepted past N - 1"
 
 
 def test_suffix_drafts_near_the_end_of_the_context_never_overrun_it() -> None:
@@ -160,17 +158,9 @@ def test_suffix_drafts_are_off_by_default_and_budget_the_cache() -> None:
 @pytest.mark.parametrize("model_seed", range(2))
 def test_greedy_with_recycled_drafts_equals_autoregressive(model_seed: int) -> None:
     model = tiny_model(vocab=10 + 4 * model_seed, seed=model_seed)
-    gen = torch.Generator().manual_seed(300 + model_seed)
-    accepted = 0
-    for trial in range(3):
-        prompt = torch.randint(0, model.config.vocab_size, (int(torch.randint(1, 20, (1,), generator=gen)),),
-                               generator=gen).tolist()
-        expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=40)
-        for strategy in (Lookahead(1, 3, 0, recycle_topk=3), Lookahead(3, 4, 2, recycle_topk=2, suffix_draft=5)):
-            got, run = run_tokens(model, prompt, strategy, max_new_tokens=40)
-            assert got == expected, (prompt, strategy)
-            accepted += run.stats.forward_passes < run.stats.new_tokens
-    assert accepted > 0
+    strategies = [Lookahead(1, 3, 0, recycle_topk=3), Lookahead(3, 4, 2, recycle_topk=2, suffix_draft=5)]
+    runs = checked_runs(model, 300 + model_seed, strategies, max_new_tokens=40)
+    assert any(run.stats.forward_passes < run.stats.new_tokens for _, run in runs)
 
 
 def test_recycling_budgets_the_cache_and_validates_k() -> None:
