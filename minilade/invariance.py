@@ -93,7 +93,7 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     Row r's visible keys, in slot order, are numbered 0, 1, ...; in a causal or lookahead step that is position
     order, the same sequence a one-row step at r's position sees. Key k falls in chunk k // chunk. Scores use the
     row's exact maximum; each chunk's weighted sum of values (and of weights: a column of ones) is one matmul in
-    which hidden keys weigh exactly 0; chunks are added in order by a sequential scan (cumsum). Chunks made only of
+    which hidden keys weigh exactly 0; chunks are added in order, one at a time. Chunks made only of
     committed keys are shared by all rows and computed together; each tail chunk by one matmul over the whole tail,
     other keys zeroed.
     """
@@ -116,7 +116,11 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         parts.append(w @ v1[:, :, :L0].unflatten(2, (n, C)))  # (B, Hkv, n, R, Dp)
     w = weights[..., L0:].unsqueeze(2) * layout.tail_select  # (B, Hkv, n_tail, R, Sp - L0)
     parts.append(w @ v1[:, :, L0:].unsqueeze(2))
-    total = torch.cat(parts, dim=2).cumsum(dim=2)[:, :, -1, :G * T]  # (B, Hkv, G*T, Dp), chunks added in order
+    total = None
+    for chunk_sums in (part.unbind(2) for part in parts):  # chunks added in order, one at a time (a trailing
+        for chunk_sum in chunk_sums:                        # chunk a row does not reach adds exact zeros)
+            total = chunk_sum if total is None else total + chunk_sum  # (B, Hkv, R, Dp)
+    total = total[:, :, :G * T]
     out = total[..., :D] / total[..., D:D + 1]
     return out.reshape(B, H, T, D).to(keys.dtype)
 
