@@ -18,7 +18,7 @@ from ..errors import CheckpointError
 from ..model import Transformer
 from .gguf import open_gguf
 from .hf import open_safetensors_folder
-from .names import expected_tensor_shapes, model_state_dict
+from .names import expected_tensor_shapes, model_state_dict, unaccounted_tensors
 from .resolve import resolve_checkpoint
 
 
@@ -45,8 +45,9 @@ class Checkpoint:
     source: TensorSource = field(repr=False, compare=False)
 
     def validate(self) -> None:
-        """Raise CheckpointError unless every expected tensor is present with its expected shape.
-        Reads headers only; tensors the model does not use (e.g. rotary inv_freq) are ignored."""
+        """Raise CheckpointError unless the file holds exactly the model its config describes: every expected
+        tensor present with its expected shape, and no tensor the config does not account for (e.g. layers past
+        a too-small layer count). Reads headers only; rotary inv_freq buffers and the like are ignored."""
         stored = self.source.shapes()
         for name, want in expected_tensor_shapes(self.config).items():
             label = self._label(name)
@@ -56,17 +57,35 @@ class Checkpoint:
                 raise CheckpointError(
                     f"{self.path}: tensor {label} has shape {tuple(stored[name])}, expected {want} from the config"
                 )
+        extra = unaccounted_tensors(stored, self.config)
+        if extra:
+            raise CheckpointError(
+                f"{self.path}: tensor {self._label(extra[0])} is not part of the model the config describes "
+                f"({self.config.n_layers} layers; {len(extra)} such tensors): the config and the weights disagree"
+            )
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Validate, then yield (canonical name, CPU tensor) one at a time, so that peak memory stays about one
         copy of the model. safetensors: stored dtype, read from the memory map when yielded. GGUF: F32/F16/BF16
-        as stored, quantised types dequantised to float32, Q/K in HF rotary layout."""
+        as stored, quantised types dequantised to float32, Q/K in HF rotary layout. A tensor holding NaN or
+        infinity (no trained weight does; a corrupted file may) raises CheckpointError instead of being run."""
         self.validate()
-        return self.source.load(list(expected_tensor_shapes(self.config)))
+        return self._finite(self.source.load(list(expected_tensor_shapes(self.config))))
+
+    def _finite(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            if not torch.isfinite(tensor).all():
+                raise CheckpointError(f"{self.path}: tensor {self._label(name)} holds NaN or infinite values")
+            yield name, tensor
 
     def load_model(self, *, dtype: torch.dtype, device: torch.device | str) -> Transformer:
         """The model with this checkpoint's weights, in `dtype` on `device` (see build_model)."""
-        return build_model(self.config, self.tensors(), dtype=dtype, device=device)
+        try:
+            return build_model(self.config, self.tensors(), dtype=dtype, device=device)
+        except CheckpointError as error:  # build_model's own messages do not know the file
+            if str(self.path) in str(error):
+                raise
+            raise CheckpointError(f"{self.path}: {error}") from error
 
     def _label(self, name: str) -> str:
         stored = self.source.stored_name(name)

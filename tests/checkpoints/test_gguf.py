@@ -380,3 +380,56 @@ def test_gguf_without_required_metadata(tmp_path: Path, tiny_llama: TinyLlama, g
     writer.write_tensors_to_file()
     writer.close()
     assert_one_line_error(lambda: open_checkpoint(tmp_path / "bare.gguf"), "GGUF metadata lacks llama.block_count")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hostile headers (issue 10): values of the wrong type or range, and fewer layers than the file holds
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_gguf_declaring_fewer_layers_than_it_holds(tiny_gguf: TinyGGUF, assert_one_line_error: OneLineError) -> None:
+    """block_count 1 of 2 used to load layer 0 only and generate nonsense with exit status 0."""
+    _, path = tiny_gguf("mha-untied", QType.F32, block_count=1)
+    assert_one_line_error(lambda: open_checkpoint(path, progress=False), str(path), "(blk.1.",
+                          "is not part of the model the config describes (1 layers; 9 such tensors)")
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("block_count", "5", "llama.block_count = '5' is not an integer"),
+    ("context_length", 2 ** 32 - 1, "llama.context_length = 4294967295 is outside [1, 2097152]"),
+    ("context_length", -5, "llama.context_length = -5 is outside"),
+    ("head_count", 0, "llama.attention.head_count = 0 is outside"),
+    ("embedding_length", 64.0, "llama.embedding_length = 64.0 is not an integer"),
+    ("layer_norm_rms_eps", float("nan"), "llama.attention.layer_norm_rms_epsilon = nan is not a positive finite"),
+], ids=["block-count-string", "context-2^32", "context-negative", "heads-0", "dim-float", "eps-nan"])
+def test_gguf_metadata_of_the_wrong_type_or_range(key: str, value: Any, fragment: str, tmp_path: Path,
+                                                  tiny_llama: TinyLlama, gguf_tensors: GGUFTensors,
+                                                  assert_one_line_error: OneLineError) -> None:
+    """One line naming the file and the key; a 2^32-1 context used to allocate rotary tables of that length."""
+    model = tiny_llama("mha-untied")
+    writer = gguf.GGUFWriter(tmp_path / "bad.gguf", "llama")
+    config = model.config
+    meta = dict(block_count=config.num_hidden_layers, context_length=config.max_position_embeddings,
+                embedding_length=config.hidden_size, feed_forward_length=config.intermediate_size,
+                head_count=config.num_attention_heads, layer_norm_rms_eps=1e-5, vocab_size=config.vocab_size)
+    typed = {str: writer.add_string, float: writer.add_float32, int: writer.add_int64}
+    for name, raw in {**meta, key: value}.items():
+        full = {"head_count": "attention.head_count",
+                "layer_norm_rms_eps": "attention.layer_norm_rms_epsilon"}.get(name, name)
+        typed[type(raw)](f"llama.{full}", raw)
+    for name, (data, raw_type) in gguf_tensors(model, QType.F32).items():
+        writer.add_tensor(name, data, raw_dtype=raw_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_one_line_error(lambda: open_checkpoint(tmp_path / "bad.gguf", progress=False), str(tmp_path / "bad.gguf"),
+                          fragment, kind=UnsupportedCheckpointError)
+
+
+def test_gguf_unknown_tensor_is_refused(tmp_path: Path, tiny_llama: TinyLlama, gguf_tensors: GGUFTensors,
+                                        write_gguf: WriteGGUF, assert_one_line_error: OneLineError) -> None:
+    model = tiny_llama("mha-untied")
+    tensors = gguf_tensors(model, QType.F32)
+    tensors["blk.0.attn_qkv.weight"] = (np.zeros((192, 64), dtype=np.float32), None)  # a fused QKV we do not read
+    path = write_gguf(tmp_path / "extra.gguf", model.config, tensors)
+    assert_one_line_error(lambda: open_checkpoint(path, progress=False), "tensor blk.0.attn_qkv.weight is not part")

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
@@ -181,3 +182,103 @@ def test_missing_and_misshapen_safetensors_tensors(hf_dir: Path, tiny_llama: Tin
 
     save_file({**state, name: torch.zeros(95, 64)}, hf_dir / "model.safetensors")
     assert_one_line_error(lambda: open_checkpoint(hf_dir), f"tensor {name} has shape (95, 64), expected (96, 64)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hostile folders (issue 10): wrong types and ranges, layers the config does not count, integer weights, shard
+# names outside the folder
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"num_attention_heads": 0}, "num_attention_heads = 0 is outside"),
+    ({"num_hidden_layers": -1}, "num_hidden_layers = -1 is outside"),
+    ({"max_position_embeddings": -5}, "max_position_embeddings = -5 is outside"),
+    ({"max_position_embeddings": 2 ** 40}, "max_position_embeddings = 1099511627776 is outside [1, 2097152]"),
+    ({"vocab_size": 272.0}, "vocab_size = 272.0 is not an integer"),
+    ({"hidden_size": "64"}, "hidden_size = '64' is not an integer"),
+    ({"num_hidden_layers": True}, "num_hidden_layers = True is not an integer"),
+    ({"rms_norm_eps": "1e-5"}, "rms_norm_eps = '1e-5' is not a positive finite number"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings = 'false' is not true or false"),
+    ({"eos_token_id": [2, "x"]}, "eos_token_id = (2, 'x') is not a list"),
+    ({"rope_scaling": "linear"}, "rope_scaling = 'linear' is not an object"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": "2"}}, "rope scaling factor = '2' is not a positive"),
+    ({"model_type": "mistral", "sliding_window": "4096"}, "sliding_window = '4096' is not an integer"),
+], ids=["heads-0", "layers-negative", "context-negative", "context-2^40", "vocab-float", "dim-string", "bool",
+        "eps-string", "flag-string", "eos", "rope-string", "rope-factor", "sliding-window-string"])
+def test_config_values_of_the_wrong_type_or_range(hf_dir: Path, change: dict[str, Any], fragment: str,
+                                                  assert_one_line_error: Callable[..., str]) -> None:
+    """One line naming the file and the key, never a traceback; no table sized by a 2^40 context is built."""
+    path = hf_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    assert_one_line_error(lambda: open_checkpoint(hf_dir, progress=False), f"{path}: {fragment}",
+                          kind=UnsupportedCheckpointError)
+
+
+def test_quantization_config_that_is_not_an_object(hf_dir: Path, assert_one_line_error: Callable[..., str]) -> None:
+    path = hf_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "quantization_config": "int8"}))
+    assert_one_line_error(lambda: open_checkpoint(hf_dir), f"{path}: quantization_config = 'int8' is not an object")
+
+
+def test_config_with_fewer_layers_than_the_weights(hf_dir: Path, assert_one_line_error: Callable[..., str]) -> None:
+    """num_hidden_layers 1 of 2 used to load layer 0 only and generate nonsense with exit status 0."""
+    path = hf_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "num_hidden_layers": 1}))
+    assert_one_line_error(lambda: open_checkpoint(hf_dir), str(hf_dir), "tensor model.layers.1.",
+                          "is not part of the model the config describes (1 layers; 9 such tensors)")
+
+
+def test_biases_the_config_does_not_enable(hf_dir: Path, tiny_llama: TinyLlama, canonical_state: StateOf,
+                                           assert_one_line_error: Callable[..., str]) -> None:
+    state = canonical_state(tiny_llama("mha-untied"))
+    save_file({**state, "model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}, hf_dir / "model.safetensors")
+    assert_one_line_error(lambda: open_checkpoint(hf_dir), "tensor model.layers.0.self_attn.q_proj.bias is not part")
+
+
+def test_stored_head_of_a_tied_model_is_accepted(tmp_path: Path, tiny_llama: TinyLlama,
+                                                 canonical_state: StateOf) -> None:
+    """Some hub checkpoints store lm_head.weight although tied; transformers ties it anyway, and so do we."""
+    model = tiny_llama("gqa-tied")
+    model.save_pretrained(tmp_path)
+    state = canonical_state(model)
+    save_file({**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()}, tmp_path / "model.safetensors")
+    assert dict(open_checkpoint(tmp_path).tensors()).keys() == state.keys()
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.uint8, torch.bool], ids=str)
+def test_integer_weights_are_refused(hf_dir: Path, tiny_llama: TinyLlama, canonical_state: StateOf,
+                                     dtype: torch.dtype, assert_one_line_error: Callable[..., str]) -> None:
+    """They used to be cast to the run's float dtype silently, i.e. garbage weights."""
+    state = canonical_state(tiny_llama("mha-untied"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    save_file({**state, name: state[name].to(dtype)}, hf_dir / "model.safetensors")
+    assert_one_line_error(lambda: open_checkpoint(hf_dir), str(hf_dir / "model.safetensors"),
+                          f"tensor {name} has dtype", "minilade loads floating-point weights",
+                          kind=UnsupportedCheckpointError)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/outside.safetensors", "sub/../../x.safetensors",
+                                   "config.json"], ids=["parent", "absolute", "nested-parent", "not-safetensors"])
+def test_shard_index_pointing_outside_the_folder(tmp_path: Path, tiny_llama: TinyLlama, shard: str,
+                                                 assert_one_line_error: Callable[..., str]) -> None:
+    folder = tmp_path / "ckpt"
+    tiny_llama("mha-untied").save_pretrained(folder, max_shard_size="40KB")
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"]))
+    (tmp_path / "outside.safetensors").write_bytes((folder / index["weight_map"][first]).read_bytes())
+    index["weight_map"][first] = shard
+    index_path.write_text(json.dumps(index))
+    assert_one_line_error(lambda: open_checkpoint(folder), str(index_path), f"lists {shard!r}",
+                          "which is not a .safetensors file inside")
+
+
+def test_tensor_stored_in_two_shards(tmp_path: Path, tiny_llama: TinyLlama,
+                                     assert_one_line_error: Callable[..., str]) -> None:
+    tiny_llama("mha-untied").save_pretrained(tmp_path, max_shard_size="40KB")
+    first, last = sorted(tmp_path.glob("model-*.safetensors"))[::len(list(tmp_path.glob("model-*.safetensors"))) - 1]
+    with safe_open(first, framework="pt") as head, safe_open(last, framework="pt") as tail:
+        name = next(iter(tail.keys()))
+        tensors = {key: head.get_tensor(key) for key in head.keys()} | {name: tail.get_tensor(name)}
+    save_file(tensors, first)
+    assert_one_line_error(lambda: open_checkpoint(tmp_path), str(tmp_path), f"tensor {name} is also stored in")
