@@ -1,0 +1,368 @@
+"""Weight-only quantization (minilade/quant.py): speed, memory, exactness and quality, side by side in one run.
+
+    python -m scripts.bench.quant                     # every part
+    python -m scripts.bench.quant --parts layers decode --quick
+
+Parts (--parts):
+  layers   per-layer matmul milliseconds at 1..64 rows on SmolLM2-135M's shapes: dense float32 / bfloat16, int8,
+           int4 (group 32 and 64; 576 columns rule out 128), int4 dequantized on the fly into a float32 matmul; kernels interleaved.
+  decode   plain (autoregressive) decoding of the real model: float32 against int8 / int4 with float32 or
+           bfloat16 models around the quantized layers; decode tokens/s (medians of interleaved repeats),
+           weight bytes, and whether lookahead's greedy output equals plain decoding's under the same weights.
+  steps    what a forward pass of T rows costs (minilade's step-cost measurement) for float32, int4 with one
+           kernel per layer (exact) and int4 with a kept dense copy from --dense-from rows on (inexact).
+  7b       a llama-7b-shaped model with random int4 weights, built layer by layer without a float copy:
+           memory and decode tokens/s.
+  ppl      perplexity of the real model's float32 weights (its Q4_1 blocks dequantized) against int8 and int4 on
+           the first --ppl-prompts HumanEval prompts concatenated.
+Writes quant_results.json to --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import math
+import random
+import resource
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minilade import LLM
+from minilade.checkpoints import DEFAULT_CHECKPOINT, open_checkpoint
+from minilade.checkpoints.checkpoint import Checkpoint
+from minilade.checkpoints.gguf_quant import gguf_int4_weights
+from minilade.config import ModelConfig
+from minilade.decoding import Autoregressive, GenerationSettings, GenerationStats, Lookahead, TokenRun, decode_tokens
+from minilade.decoding.step_costs import measure_step_costs
+from minilade.device import pack_linears
+from minilade.model import Transformer
+from minilade.quant import Int4Weight, QuantizedLinear, linear_modules, quantize_linears, quantize_weight, weight_bytes
+from minilade.sampling import SamplingParams
+
+from .common import (
+    DEFAULT_DATA_DIR,
+    DEFAULT_OUT_DIR,
+    JobParser,
+    begin_timed_run,
+    command_line,
+    load_prompt_texts,
+    options_record,
+    parse_with_quick,
+    positive_int,
+    run_job,
+    write_json,
+)
+
+MODULE = "scripts.bench.quant"
+PARTS = ("layers", "decode", "steps", "7b", "ppl")
+LAYER_ROWS = (1, 2, 4, 8, 16, 32, 64)
+QUICK = dict(repeats=1, n_prompts=1, max_new_tokens=8, ppl_prompts=2, layer_repeats=3, big_tokens=2)
+MB = 1e6
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = JobParser(MODULE, __doc__)
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--ckpt", default=DEFAULT_CHECKPOINT)
+    p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    p.add_argument("--n-prompts", type=positive_int, default=3, help="HumanEval prompts for decode")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--layer-repeats", type=positive_int, default=15)
+    p.add_argument("--dense-from", type=positive_int, default=16, help="rows from which the mixed mode goes dense")
+    p.add_argument("--ppl-prompts", type=positive_int, default=20)
+    p.add_argument("--big-tokens", type=positive_int, default=8, help="tokens decoded by the 7B model")
+    p.add_argument("--threads", type=positive_int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    p.add_argument("--quick", action="store_true", help=f"smoke-test defaults: {QUICK}")
+    return parse_with_quick(p, argv, QUICK)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_job(job, argv)
+
+
+def job(argv: list[str]) -> int:
+    args = parse_args(argv)
+    command = command_line(MODULE, argv)
+    env = begin_timed_run(command, args.threads)
+    results: dict[str, Any] = dict(command=command, environment=env, options=options_record(args))
+    torch.manual_seed(args.seed)
+    with torch.inference_mode():
+        for part in args.parts:
+            print(f"\n== {part}", flush=True)
+            results[part] = PART_RUNNERS[part](args)
+    results["llama_cpp"] = llama_cpp_note()
+    print(f"\nllama.cpp peer: {results['llama_cpp']}")
+    write_json(args.out_dir / "quant_results.json", results, indent=1)
+    print(f"wrote {args.out_dir / 'quant_results.json'}", file=sys.stderr)
+    return 0
+
+
+# ---- layers ----------------------------------------------------------------------------------------------------
+
+LAYER_SHAPES = {"wqkv": (960, 576), "wo": (576, 576), "w_gate_up": (3072, 576), "w_down": (576, 1536),
+                "output": (49152, 576)}  # SmolLM2-135M, (out, in)
+
+
+def on_the_fly(weight: Int4Weight) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A dense float32 matmul on the weight dequantized from its codes at every call (codes kept one a byte)."""
+    N, K = weight.codes.shape
+    scales, zeros = weight.scales[..., None], weight.zeros[..., None]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        dense = (weight.codes.view(N, -1, weight.group_size).float() - 8).mul_(scales).add_(zeros)
+        return F.linear(x, dense.view(N, K))
+
+    return run
+
+
+def layer_kernels(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Every way of computing x @ weight.T that the layers part compares; x is float32."""
+    dense_bf16 = weight.bfloat16()
+    return {
+        "float32": lambda x: F.linear(x, weight),
+        "bfloat16": lambda x: F.linear(x.bfloat16(), dense_bf16),
+        "int8": QuantizedLinear(quantize_weight(weight, "int8", 32)),
+        "int4 g32": QuantizedLinear(quantize_weight(weight, "int4", 32)),
+        "int4 g64": QuantizedLinear(quantize_weight(weight, "int4", 64)),
+        "int4 on the fly": on_the_fly(quantize_weight(weight, "int4", 32)),
+    }
+
+
+def run_layers(args: argparse.Namespace) -> dict:
+    """Milliseconds per call, median of interleaved repeats; the kernels' order is shuffled every time."""
+    rng = random.Random(args.seed)
+    cases = []
+    for layer, (N, K) in LAYER_SHAPES.items():
+        kernels = layer_kernels(torch.randn(N, K) * 0.02)
+        for rows in LAYER_ROWS:
+            x = torch.randn(rows, K)
+            cases.append((layer, rows, x, kernels))
+    samples: dict[tuple[str, int, str], list[float]] = {}
+    for rep in range(args.layer_repeats + 1):
+        for layer, rows, x, kernels in cases:
+            for name in rng.sample(list(kernels), len(kernels)):
+                start = time.perf_counter()
+                kernels[name](x)
+                if rep:  # the first round warms up
+                    samples.setdefault((layer, rows, name), []).append(time.perf_counter() - start)
+    table = {f"{layer} {rows}": {name: 1e3 * statistics.median(samples[(layer, rows, name)]) for name in kernels}
+             for layer, rows, _, kernels in cases}
+    print_table("ms per call (weights stay in cache between calls: one-row figures flatter dense float32)", table)
+    return table
+
+
+def print_table(title: str, table: dict[str, dict[str, Any]], spec: str = ".3f") -> None:
+    columns = list(next(iter(table.values())))
+    print(title)
+    print(f"{'':18s}" + "".join(f"{c:>17s}" for c in columns))
+    for row, cells in table.items():
+        print(f"{row:18s}" + "".join(f"{format(cells[c], spec) if isinstance(cells[c], float) else cells[c]:>17}"
+                                      for c in columns))
+
+
+# ---- the real model in each variant ------------------------------------------------------------------------------
+
+def variants(llm: LLM, checkpoint: Checkpoint, dense_from: int | None = None) -> dict[str, Transformer]:
+    """The decode contenders, all from one float32 load: the float model itself, a bfloat16 copy, and int8 /
+    int4 copies with float32 or bfloat16 around the quantized layers. int4 takes the file's 4-bit blocks where
+    they map (all Q4_0 / Q4_1 tensors; the tied Q8_0 head is quantized from its float weights)."""
+    blocks = file_blocks(llm.model, checkpoint)
+    models = {"float32": llm.model, "bfloat16": to_dtype(copy.deepcopy(llm.model), torch.bfloat16)}
+    for mode in ("int8", "int4"):
+        quantized = quantize_linears(copy.deepcopy(llm.model), mode, 32, weights=blocks if mode == "int4" else None)
+        models[mode] = quantized
+        models[f"{mode} bf16 model"] = to_dtype(copy.deepcopy(quantized), torch.bfloat16)
+    if dense_from is not None:
+        models[f"int4 dense>={dense_from}"] = quantize_linears(copy.deepcopy(llm.model), "int4", 32, weights=blocks,
+                                                               dense_from_rows=dense_from)
+    return models
+
+
+def file_blocks(model: Transformer, checkpoint: Checkpoint) -> dict[str, Int4Weight]:
+    """The int4 weights a GGUF checkpoint holds exactly (none for other formats)."""
+    if checkpoint.format != "gguf":
+        return {}
+    return gguf_int4_weights(checkpoint.source, [name for name, *_ in linear_modules(model)])
+
+
+def to_dtype(model: Transformer, dtype: torch.dtype) -> Transformer:
+    """The model's float tensors in dtype (a quantized layer's scales included, which already are bfloat16)."""
+    model.to(dtype)
+    model.setup_rope()
+    return model
+
+
+def generate(model: Transformer, ids: list[int], strategy: Any, max_new_tokens: int) -> tuple[list[int], GenerationStats]:
+    run = TokenRun(GenerationStats())
+    settings = GenerationSettings(strategy, SamplingParams(), max_new_tokens)
+    tokens = list(decode_tokens(model, ids, run, settings))
+    return tokens, run.stats
+
+
+def humaneval_ids(llm: LLM, args: argparse.Namespace, n: int) -> list[list[int]]:
+    texts = load_prompt_texts(args.data_dir, ["humaneval"], n)["humaneval"]
+    return [llm.encode(text, chat=False) for text in texts]
+
+
+def load_real(args: argparse.Namespace) -> tuple[LLM, Checkpoint]:
+    llm = LLM.load(args.ckpt, dtype="float32", pack=False, progress=False)
+    return llm, open_checkpoint(args.ckpt, progress=False)
+
+
+# ---- decode ------------------------------------------------------------------------------------------------------
+
+def run_decode(args: argparse.Namespace) -> dict:
+    """Plain decoding, every contender on every prompt in a shuffled order per repeat; decode tokens/s is steps
+    over decoding seconds (prefill excluded), median over repeats, then over prompts; speedups are medians of the
+    per-prompt ratios to float32."""
+    llm, checkpoint = load_real(args)
+    models = variants(llm, checkpoint, args.dense_from)
+    timed = [name for name in models if "dense" not in name]  # one-row steps never reach a dense copy
+    prompts = humaneval_ids(llm, args, args.n_prompts)
+    rng = random.Random(args.seed)
+    for name in timed:  # warm-up
+        generate(models[name], prompts[0], Autoregressive(), 8)
+    rate: dict[str, list[float]] = {name: [] for name in timed}
+    for ids in prompts:
+        samples: dict[str, list[float]] = {name: [] for name in timed}
+        for _ in range(args.repeats):
+            for name in rng.sample(timed, len(timed)):
+                _, stats = generate(models[name], ids, Autoregressive(), args.max_new_tokens)
+                samples[name].append(stats.steps / stats.decode_s)
+        for name in timed:
+            rate[name].append(statistics.median(samples[name]))
+    table = {name: dict(tokens_per_s=statistics.median(rate[name]),
+                        vs_float32=statistics.median(r / f for r, f in zip(rate[name], rate["float32"])),
+                        weight_mb=weight_bytes(models[name]) / MB) for name in timed}
+    print_table(f"plain decoding, {len(prompts)} HumanEval prompts x {args.max_new_tokens} tokens, "
+                f"{args.repeats} repeats", table, ".2f")
+    return dict(table=table, exact=exactness(models, prompts, args.max_new_tokens))
+
+
+def exactness(models: dict[str, Transformer], prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """How many prompts give greedy lookahead (7,5,7) output identical to plain decoding under each model."""
+    counts = {}
+    for name, model in models.items():
+        same = sum(generate(model, ids, Lookahead(window=7, ngram=5, guesses=7), max_new_tokens)[0]
+                   == generate(model, ids, Autoregressive(), max_new_tokens)[0] for ids in prompts)
+        counts[name] = f"{same}/{len(prompts)}"
+    print("greedy lookahead (7,5,7) == plain decoding:", ", ".join(f"{k} {v}" for k, v in counts.items()))
+    return counts
+
+
+# ---- steps -------------------------------------------------------------------------------------------------------
+
+def run_steps(args: argparse.Namespace) -> dict:
+    """Milliseconds of one forward pass of T rows after 256 committed tokens (decoding.step_costs), for the
+    float32 model with its prepacked copy (as LLM.load runs it), int4 exact and int4 with a dense copy."""
+    llm, checkpoint = load_real(args)
+    blocks = file_blocks(llm.model, checkpoint)
+    models = {"float32 packed": pack_linears(copy.deepcopy(llm.model)),
+              "int4": quantize_linears(copy.deepcopy(llm.model), "int4", 32, weights=blocks),
+              f"int4 dense>={args.dense_from}": quantize_linears(copy.deepcopy(llm.model), "int4", 32, weights=blocks,
+                                                                 dense_from_rows=args.dense_from)}
+    costs = {name: measure_step_costs(model, LAYER_ROWS, context=256, repeats=args.repeats)
+             for name, model in models.items()}
+    table = {f"T={T}": {name: 1e3 * costs[name][T] for name in models} for T in LAYER_ROWS}
+    print_table("ms per forward pass of T rows", table, ".1f")
+    memory = {name: weight_bytes(model) / MB for name, model in models.items()}
+    print("weight MB:", ", ".join(f"{k} {v:.0f}" for k, v in memory.items()))
+    return dict(table=table, weight_mb=memory)
+
+
+# ---- 7b ----------------------------------------------------------------------------------------------------------
+
+def random_int4_model(config: ModelConfig, group_size: int, seed: int, std: float = 0.02) -> Transformer:
+    """A model with random int4 weights, built without ever holding a float copy of its linear layers: the
+    Transformer is made on the meta device, each linear layer replaced by a QuantizedLinear of random codes
+    (scales set so the weights have about `std`), then the remaining tensors (embedding, norms) made real."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    gen = torch.Generator().manual_seed(seed)
+    for _, parent, attr, child in linear_modules(model):
+        N, K = child.weight.shape
+        scales = torch.full((N, K // group_size), std / 4.6)  # codes uniform on 0..15 have std 4.6
+        weight = Int4Weight(torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8), scales, scales / 2)
+        setattr(parent, attr, QuantizedLinear(weight))
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                value = torch.ones(param.shape) if "norm" in type(module).__name__.lower() else \
+                    std * torch.randn(param.shape, generator=gen)
+                setattr(module, name, nn.Parameter(value, requires_grad=False))
+    model.setup_rope()
+    return model.eval()
+
+
+def run_7b(args: argparse.Namespace) -> dict:
+    """llama-7b shapes, int4 group 32, float32 around the quantized layers: weight bytes, peak resident memory,
+    build time and plain-decoding tokens/s (a 16-token prompt, median of repeats)."""
+    config = ModelConfig.preset("llama-7b").replace(max_seq_len=512)
+    start = time.perf_counter()
+    model = random_int4_model(config, 32, args.seed)
+    build_s = time.perf_counter() - start
+    prompt = torch.randint(config.vocab_size, (16,)).tolist()
+    generate(model, prompt, Autoregressive(), 2)  # warm-up
+    rates = [(lambda s: s.steps / s.decode_s)(generate(model, prompt, Autoregressive(), args.big_tokens)[1])
+             for _ in range(args.repeats)]
+    result = dict(weight_gb=weight_bytes(model) / 1e9, peak_rss_gb=peak_rss_bytes() / 1e9, build_s=build_s,
+                  tokens_per_s=statistics.median(rates), n_params=config.n_params)
+    print(f"llama-7b int4 g32: weights {result['weight_gb']:.2f} GB, peak resident {result['peak_rss_gb']:.2f} GB "
+          f"(process so far), built in {build_s:.0f} s, {result['tokens_per_s']:.2f} tokens/s "
+          f"({args.big_tokens} tokens, median of {args.repeats})")
+    return result
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+# ---- ppl ---------------------------------------------------------------------------------------------------------
+
+def run_ppl(args: argparse.Namespace) -> dict:
+    """Perplexity over the first --ppl-prompts HumanEval prompts joined by blank lines, in one causal pass."""
+    llm, checkpoint = load_real(args)
+    texts = load_prompt_texts(args.data_dir, ["humaneval"], args.ppl_prompts)["humaneval"]
+    ids = torch.tensor([llm.encode("\n\n".join(texts), chat=False)])
+    models = variants(llm, checkpoint)
+    for group in (32, 64):  # the path of a float checkpoint: round-to-nearest from the float weights
+        models[f"int4 rtn g{group}"] = quantize_linears(copy.deepcopy(llm.model), "int4", group)
+    table = {}
+    for name, model in models.items():
+        value = perplexity(model, ids)
+        table[name] = dict(ppl=value, vs_float32=value / table["float32"]["ppl"] - 1 if table else 0.0)
+    print_table(f"perplexity over {ids.shape[1]} tokens ({args.ppl_prompts} HumanEval prompts)", table, ".4f")
+    return dict(tokens=ids.shape[1], table=table)
+
+
+def perplexity(model: Transformer, ids: torch.Tensor) -> float:
+    cache = model.new_cache(ids.shape[1])
+    logits = model(ids, torch.arange(ids.shape[1]), cache)[0, :-1].float()
+    return math.exp(F.cross_entropy(logits, ids[0, 1:]).item())
+
+
+def llama_cpp_note() -> str:
+    found = [name for name in ("llama-bench", "llama-cli") if shutil.which(name)]
+    if found or importlib.util.find_spec("llama_cpp") is not None:
+        return f"available ({', '.join(found) or 'llama_cpp'}) but not run by this script"
+    return "skipped: neither llama-bench nor llama-cpp-python is installed on this machine"
+
+
+PART_RUNNERS: dict[str, Callable[[argparse.Namespace], dict]] = {
+    "layers": run_layers, "decode": run_decode, "steps": run_steps, "7b": run_7b, "ppl": run_ppl}
+
+if __name__ == "__main__":
+    sys.exit(main())

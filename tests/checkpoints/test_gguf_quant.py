@@ -1,0 +1,96 @@
+"""GGUF 4-bit blocks as torch int4 weights (minilade.checkpoints.gguf_quant): bit-exact where the formats map
+(Q4_0, Q4_1), through the Q/K un-permutation and the fused projections; refused where they do not (Q8_0)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from minilade.checkpoints import open_checkpoint
+from minilade.checkpoints.gguf import open_gguf
+from minilade.checkpoints.gguf_quant import (
+    INT4_TYPES,
+    bfloat16_exact_fraction,
+    exact_zero_points,
+    gguf_int4_weights,
+    int4_from_blocks,
+)
+from minilade.quant import QuantizedLinear, linear_modules
+
+INT4 = sorted(INT4_TYPES, key=lambda q: q.name)
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    return t.numpy().view(np.uint32)
+
+
+@pytest.mark.parametrize("qtype", INT4, ids=lambda q: q.name)
+def test_blocks_dequantize_bitwise_as_gguf(qtype: QType) -> None:
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((48, 256)) * 0.05 + rng.uniform(-0.05, 0.05, (48, 1))).astype(np.float32)
+    data = gguf.quants.quantize(w, qtype)
+    weight = int4_from_blocks(data, qtype)
+    assert weight.group_size == 32 and exact_zero_points(data, qtype)
+    assert np.array_equal(bits(weight.dequantize()), gguf.quants.dequantize(data, qtype).view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", INT4, ids=lambda q: q.name)
+def test_float32_kernel_computes_with_the_files_weights_bitwise(qtype: QType) -> None:
+    rng = np.random.default_rng(1)
+    data = gguf.quants.quantize((rng.standard_normal((64, 128)) * 0.05).astype(np.float32), qtype)
+    layer = QuantizedLinear(int4_from_blocks(data, qtype), kernel_dtype=torch.float32)
+    want = torch.from_numpy(gguf.quants.dequantize(data, qtype))
+    # Equal values are equal bits, but for zeros: the kernel's sums start at +0.0, so a -0.0 weight reads +0.0.
+    assert torch.equal(layer(torch.eye(128)).T, want)
+
+
+def test_bfloat16_scales_are_not_exact_in_general() -> None:
+    """The fast kernels keep scales in bfloat16 (8 significant bits): most float16 scales change."""
+    rng = np.random.default_rng(2)
+    data = gguf.quants.quantize((rng.standard_normal((64, 128)) * 0.05).astype(np.float32), QType.Q4_1)
+    assert bfloat16_exact_fraction(int4_from_blocks(data, QType.Q4_1)) < 0.5
+
+
+def test_q8_0_has_no_int4_mapping() -> None:
+    data = gguf.quants.quantize(np.ones((4, 32), np.float32), QType.Q8_0)
+    with pytest.raises(ValueError, match="^type Q8_0 has no exact int4 mapping"):
+        int4_from_blocks(data, QType.Q8_0)
+
+
+@pytest.mark.parametrize("name", ["mha-untied", "gqa-tied", "gqa-bias"])
+@pytest.mark.parametrize("qtype", INT4, ids=lambda q: q.name)
+def test_model_weights_from_blocks_equal_the_loaded_float_weights(
+        name: str, qtype: QType, tmp_path: Path, tiny_llama: Callable[..., Any], gguf_tensors: Callable[..., Any],
+        write_gguf: Callable[..., Path]) -> None:
+    """Un-permuted Q/K rows and fused projections: every linear module's int4 weight dequantizes to exactly the
+    float weight the float loader builds from the same file."""
+    hf = tiny_llama(name)
+    path = write_gguf(tmp_path / f"{name}.gguf", hf.config, gguf_tensors(hf, qtype))
+    model = open_checkpoint(path, progress=False).load_model(dtype=torch.float32, device="cpu")
+    linears = {n: m for n, _, _, m in linear_modules(model)}
+    weights = gguf_int4_weights(open_gguf(path), linears)
+    assert set(weights) == set(linears) - ({"output"} if hf.config.tie_word_embeddings else set())
+    for module, weight in weights.items():
+        assert torch.equal(weight.dequantize(), linears[module].weight), module
+
+
+def test_real_model_blocks_are_bit_exact(smollm2_gguf: Path) -> None:
+    """The default checkpoint (Q4_1 layers, Q8_0 tied embedding): every Q4_1 tensor maps exactly, and layer 0's
+    fused, un-permuted projections equal the float loader's weights."""
+    source = open_gguf(smollm2_gguf)
+    tensors = [t for t in source.by_name.values() if t.tensor_type in INT4_TYPES]
+    assert len(tensors) == 7 * source.config.n_layers
+    assert all(exact_zero_points(t.data, t.tensor_type) for t in tensors[:14])
+    model = open_checkpoint(smollm2_gguf, progress=False).load_model(dtype=torch.float32, device="cpu")
+    weights = gguf_int4_weights(source, [name for name, *_ in linear_modules(model)])
+    assert "output" not in weights  # tied to the Q8_0 embedding
+    layer = model.layers[0]
+    for module, ours in [("attention.wqkv", layer.attention.wqkv), ("feed_forward.w_gate_up",
+                                                                     layer.feed_forward.w_gate_up)]:
+        assert torch.equal(weights[f"layers.0.{module}"].dequantize(), ours.weight), module
