@@ -102,10 +102,15 @@ class _GgufVocab:
             raise TokenizerError(f"{path} has no tokenizer vocabulary ({_KEY.LIST})")
         types = meta.get(_KEY.TOKEN_TYPE) or [_NORMAL] * len(tokens)
         scores = meta.get(_KEY.SCORES) or [0.0] * len(tokens)
+        merges = meta.get(_KEY.MERGES) or []
+        for key, value, kinds, what in ((_KEY.LIST, tokens, str, "strings"), (_KEY.TOKEN_TYPE, types, int, "integers"),
+                                        (_KEY.SCORES, scores, (int, float), "numbers"),
+                                        (_KEY.MERGES, merges, str, "strings")):
+            if not isinstance(value, list) or not all(isinstance(v, kinds) for v in value):
+                raise TokenizerError(f"{path}: {key} is not a list of {what}")
         if not len(types) == len(scores) == len(tokens):
             raise TokenizerError(f"{path}: {len(tokens)} tokens but {len(types)} token types and {len(scores)} scores")
-        return cls(str(meta.get(_KEY.MODEL)), list(tokens), [int(t) for t in types], list(scores),
-                   list(meta.get(_KEY.MERGES) or []))
+        return cls(str(meta.get(_KEY.MODEL)), list(tokens), [int(t) for t in types], list(scores), list(merges))
 
     def has(self, token_id: Any) -> bool:
         return isinstance(token_id, int) and 0 <= token_id < len(self.tokens)

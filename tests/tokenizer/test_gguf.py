@@ -120,3 +120,16 @@ def test_gguf_errors_are_one_line(tmp_path: Path) -> None:
     assert_one_line_error(lambda: Tokenizer.from_checkpoint(qwen), "unsupported GGUF pre-tokenizer 'qwen2'")
     no_vocab = write_gguf(tmp_path / "no_vocab.gguf", 3)
     assert_one_line_error(lambda: Tokenizer.from_checkpoint(no_vocab), "no tokenizer vocabulary")
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"token_list": [1, 2, 3]}, "tokenizer.ggml.tokens is not a list of strings"),
+    ({"token_list": ["a", "b", "c"], "token_types": [1.5, 1.0, 1.0]},
+     "tokenizer.ggml.token_type is not a list of integers"),
+    ({"token_list": ["a", "b", "c"], "token_scores": ["x", "y", "z"]},
+     "tokenizer.ggml.scores is not a list of numbers"),
+], ids=["tokens", "types", "scores"])
+def test_gguf_vocabulary_of_the_wrong_type(tmp_path: Path, fields: dict[str, object], fragment: str) -> None:
+    """Issue 10: wrongly typed vocabulary arrays used to end in a TypeError/ValueError traceback."""
+    path = write_gguf(tmp_path / "typed.gguf", 3, tokenizer_model="gpt2", **fields)
+    assert_one_line_error(lambda: Tokenizer.from_checkpoint(path), str(path), fragment)
