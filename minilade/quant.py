@@ -213,6 +213,9 @@ def quantize_linears(model: nn.Module, mode: str = "int4", group_size: int = 32,
     for name, _, _, child in linears:  # every layer checked and quantized before any is swapped
         if child.weight.device.type != "cpu":
             raise ValueError(f"quantized layers run on the CPU only; {name} is on {child.weight.device}")
+        if name in weights and tuple(weights[name].codes.shape) != tuple(child.weight.shape):
+            raise ValueError(f"{name}: given weight has shape {tuple(weights[name].codes.shape)}, "
+                             f"the layer {tuple(child.weight.shape)}")
         if name not in weights:
             try:
                 weights[name] = quantize_weight(child.weight, mode, group_size, kernel_dtype)
