@@ -138,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = settings_from_args(args)
-        llm = LLM.load(args.ckpt, dtype=args.dtype, device=args.device)
+        llm = LLM.load(args.ckpt, dtype=args.dtype, device=args.device,
+                       check_file=default_weights_dir() / "invariance.json")
         if args.interactive:
             run_interactive(llm, args, settings)
         else:

@@ -25,7 +25,7 @@ from .checkpoints import DEFAULT_CHECKPOINT, build_model, open_checkpoint
 from .checkpoints.hf import config_from_hf
 from .decoding import GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens, make_strategy
 from .decoding.loop import cache_for
-from .device import default_device, pack_linears, packing_available, resolve_dtype
+from .device import choose_dtype, default_device, make_invariant, resolve_dtype
 from .kv_cache import KVCache
 from .model import Transformer
 from .sampling import SamplingParams
@@ -57,22 +57,27 @@ class LLM:
 
     @classmethod
     def load(cls, ckpt: str | Path | None = None, *, dtype: str | torch.dtype | None = None,
-             device: str | torch.device | None = None, progress: bool = True, pack: bool | None = None) -> LLM:
+             device: str | torch.device | None = None, progress: bool = True, exact: bool = True,
+             check_file: str | Path | None = None) -> LLM:
         """ckpt: a .gguf file, a folder with config.json and safetensors, a Hugging Face repo id
         (owner/name[@revision]), or None for the demo model (downloaded on first use).
         dtype: float32, bfloat16, float16 (CUDA only) or None for the device's fast default.
-        pack: keep a prepacked copy of the weights for multi-token steps (see device.py); None: where it pays
-        (float32 on a CPU with oneDNN), at the cost of a second copy of the weights in memory."""
+        exact: make every step batch-invariant, so lookahead's output is exactly plain decoding's (device.py:
+        weight matmuls in measured row tilings, checked at load); on the CPU, dtype None/"auto" then picks the
+        fastest dtype that passes the check, measured. False keeps the stock kernels (for kernel benchmarks).
+        check_file: a JSON file where what the check found is kept per machine (None: checked at every load)."""
+        measure_dtype = dtype in (None, "auto")
         device, dtype = device_and_dtype(device, dtype)
         checkpoint = open_checkpoint(ckpt if ckpt is not None else DEFAULT_CHECKPOINT, progress=progress)
         metadata = checkpoint.source.metadata if checkpoint.format == "gguf" else None
         tokenizer = Tokenizer.from_checkpoint(checkpoint.path, gguf_metadata=metadata)
         model = checkpoint.load_model(dtype=dtype, device=device)
-        return cls.prepared(model, tokenizer, str(checkpoint.path), pack)
+        return cls.prepared(model, tokenizer, str(checkpoint.path), exact=exact, measure_dtype=measure_dtype,
+                            check_file=check_file)
 
     @classmethod
     def from_transformers(cls, model: Any, tokenizer: Any, *, dtype: str | torch.dtype | None = None,
-                          device: str | torch.device | None = None, pack: bool | None = None) -> LLM:
+                          device: str | torch.device | None = None, exact: bool = True) -> LLM:
         """An LLM over a loaded transformers LlamaForCausalLM or MistralForCausalLM and its tokenizer.
 
         Weights are taken, not re-read from disk: where dtype and device stay those of the transformers model
@@ -88,14 +93,18 @@ class LLM:
             ours_tokenizer = Tokenizer.from_checkpoint(folder)
         config = config_from_hf(model.config.to_dict())
         ours = build_model(config, model.state_dict().items(), dtype=dtype, device=device)
-        return cls.prepared(ours, ours_tokenizer, type(model).__name__, pack)
+        return cls.prepared(ours, ours_tokenizer, type(model).__name__, exact=exact)
 
     @classmethod
-    def prepared(cls, model: Transformer, tokenizer: Tokenizer, name: str, pack: bool | None) -> LLM:
-        """The last steps of loading: the output head cut to the tokenizer's vocabulary, weights prepacked."""
+    def prepared(cls, model: Transformer, tokenizer: Tokenizer, name: str, *, exact: bool = True,
+                 measure_dtype: bool = False, check_file: str | Path | None = None) -> LLM:
+        """The last steps of loading: the output head cut to the tokenizer's vocabulary; the model made
+        batch-invariant (in the fastest exact dtype when measure_dtype, see device.choose_dtype)."""
         drop_padded_logits(model, tokenizer.vocab_size)
-        if pack if pack is not None else packing_available(model.dtype, model.device):
-            pack_linears(model)
+        if exact and measure_dtype and model.device.type == "cpu":
+            model = choose_dtype(model, check_file)
+        elif exact:
+            make_invariant(model, check_file)
         return cls(model, tokenizer, name)
 
     def _take_cache(self) -> KVCache | None:
