@@ -150,8 +150,17 @@ class QuantizedLinear(nn.Module):
 
     @property
     def kernel_dtype(self) -> torch.dtype:
-        """The activations' dtype inside the kernel: that of the stored scales (model.to(dtype) keeps them)."""
+        """The activations' dtype inside the kernel: that of the stored scales."""
         return (self.scales if self.mode == "int8" else self.scale_zeros).dtype
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> "QuantizedLinear":
+        """model.to(device) moves the scales, but model.to(dtype) must not change their dtype: float32 scales
+        would send the kernels down their scalar path."""
+        dtype = self.kernel_dtype
+        super()._apply(fn, recurse)
+        name = "scales" if self.mode == "int8" else "scale_zeros"
+        setattr(self, name, getattr(self, name).to(dtype))
+        return self
 
     def kernel_weight(self, weight: QuantizedWeight) -> torch.Tensor:
         """(N, K) float32: the weight the kernel multiplies by, i.e. with scales as stored in kernel_dtype."""

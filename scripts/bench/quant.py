@@ -44,7 +44,6 @@ from minilade.checkpoints.gguf_quant import gguf_int4_weights
 from minilade.config import ModelConfig
 from minilade.decoding import Autoregressive, GenerationSettings, GenerationStats, Lookahead, TokenRun, decode_tokens
 from minilade.decoding.step_costs import measure_step_costs
-from minilade.device import pack_linears
 from minilade.model import Transformer
 from minilade.quant import Int4Weight, QuantizedLinear, linear_modules, quantize_linears, quantize_weight, weight_bytes
 from minilade.sampling import SamplingParams
@@ -218,7 +217,7 @@ def humaneval_ids(llm: LLM, args: argparse.Namespace, n: int) -> list[list[int]]
 
 
 def load_real(args: argparse.Namespace) -> tuple[LLM, Checkpoint]:
-    llm = LLM.load(args.ckpt, dtype="float32", pack=False, progress=False)
+    llm = LLM.load(args.ckpt, dtype="float32", progress=False)  # made batch-invariant, as LLM.load runs it
     return llm, open_checkpoint(args.ckpt, progress=False)
 
 
@@ -267,10 +266,10 @@ def exactness(models: dict[str, Transformer], prompts: list[list[int]], max_new_
 
 def run_steps(args: argparse.Namespace) -> dict:
     """Milliseconds of one forward pass of T rows after 256 committed tokens (decoding.step_costs), for the
-    float32 model with its prepacked copy (as LLM.load runs it), int4 exact and int4 with a dense copy."""
+    float32 model as LLM.load runs it (batch-invariant), int4 exact and int4 with a dense copy."""
     llm, checkpoint = load_real(args)
     blocks = file_blocks(llm.model, checkpoint)
-    models = {"float32 packed": pack_linears(copy.deepcopy(llm.model)),
+    models = {"float32": llm.model,
               "int4": quantize_linears(copy.deepcopy(llm.model), "int4", 32, weights=blocks),
               f"int4 dense>={args.dense_from}": quantize_linears(copy.deepcopy(llm.model), "int4", 32, weights=blocks,
                                                                  dense_from_rows=args.dense_from)}
