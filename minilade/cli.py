@@ -15,6 +15,7 @@ from .checkpoints import DEFAULT_CHECKPOINT, default_weights_dir
 from .decoding import STRATEGIES, GenerationSettings, make_strategy
 from .errors import CheckpointError, TokenizerError, UnsupportedModelError
 from .llm import LLM, Generation, TextStream
+from .quant import check_options
 from .sampling import SamplingParams
 
 EXIT_USAGE = 2
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: the most rows one step feeds (default: (W + G) * (N - 1))")
     d = p.add_argument_group("hardware")
     d.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (CUDA only)")
+    d.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="keep linear weights quantized (CPU): int8 per channel, int4 in groups")
+    d.add_argument("--group-size", type=int, default=32, help="int4 group size: 32, 64, 128 or 256")
     d.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, statistics)")
     return p
@@ -138,8 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = settings_from_args(args)
-        llm = LLM.load(args.ckpt, dtype=args.dtype, device=args.device,
-                       check_file=default_weights_dir() / "invariance.json")
+        if args.quantize is not None:
+            check_options(args.quantize, args.group_size)
+        llm = LLM.load(args.ckpt, dtype=args.dtype, device=args.device, quantize=args.quantize,
+                       group_size=args.group_size, check_file=default_weights_dir() / "invariance.json")
         if args.interactive:
             run_interactive(llm, args, settings)
         else:

@@ -11,6 +11,7 @@ On CUDA nothing of this is applied: the stock kernels stay (untested here; see d
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import sys
@@ -262,11 +263,10 @@ def choose_dtype(model: Transformer, check_file: str | Path | None = None,
 
 
 def _converted(model: Transformer, dtype: torch.dtype) -> Transformer:
-    copy = Transformer(model.config).to(device=model.device)
-    copy.load_state_dict(model.state_dict())
-    copy = copy.to(dtype).eval()
-    copy.setup_rope()
-    return copy
+    """A copy of the model in another dtype (a deep copy, so a cut output head and tied weights stay as they are)."""
+    converted = copy.deepcopy(model).to(dtype).eval()
+    converted.setup_rope()
+    return converted
 
 
 def _step_seconds(model: Transformer, check_file: str | Path | None) -> float:

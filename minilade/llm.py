@@ -21,13 +21,15 @@ from typing import Any, Iterator, Sequence, Union
 import torch
 from torch import nn
 
-from .checkpoints import DEFAULT_CHECKPOINT, build_model, open_checkpoint
+from .checkpoints import DEFAULT_CHECKPOINT, Checkpoint, build_model, open_checkpoint
+from .checkpoints.gguf_quant import gguf_int4_weights
 from .checkpoints.hf import config_from_hf
 from .decoding import GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens, make_strategy
 from .decoding.loop import cache_for
 from .device import choose_dtype, default_device, make_invariant, resolve_dtype
 from .kv_cache import KVCache
 from .model import Transformer
+from .quant import check_options, linear_modules, map_rows, quantize_linears
 from .sampling import SamplingParams
 from .tokenizer import StreamDecoder, Tokenizer
 
@@ -58,22 +60,29 @@ class LLM:
     @classmethod
     def load(cls, ckpt: str | Path | None = None, *, dtype: str | torch.dtype | None = None,
              device: str | torch.device | None = None, progress: bool = True, exact: bool = True,
-             check_file: str | Path | None = None) -> LLM:
+             check_file: str | Path | None = None, quantize: str | None = None, group_size: int = 32) -> LLM:
         """ckpt: a .gguf file, a folder with config.json and safetensors, a Hugging Face repo id
         (owner/name[@revision]), or None for the demo model (downloaded on first use).
         dtype: float32, bfloat16, float16 (CUDA only) or None for the device's fast default.
         exact: make every step batch-invariant, so lookahead's output is exactly plain decoding's (device.py:
         weight matmuls in measured row tilings, checked at load); on the CPU, dtype None/"auto" then picks the
         fastest dtype that passes the check, measured. False keeps the stock kernels (for kernel benchmarks).
-        check_file: a JSON file where what the check found is kept per machine (None: checked at every load)."""
+        check_file: a JSON file where what the check found is kept per machine (None: checked at every load).
+        quantize: "int8" (per output channel) or "int4" (groups of group_size inputs) keeps the linear layers
+        quantized (CPU only, bfloat16 inside the layer, see quant.py); int4 in groups of 32 takes a GGUF file's
+        Q4_0/Q4_1 codes as they are."""
+        if quantize is not None:
+            check_options(quantize, group_size)
         measure_dtype = dtype in (None, "auto")
         device, dtype = device_and_dtype(device, dtype)
         checkpoint = open_checkpoint(ckpt if ckpt is not None else DEFAULT_CHECKPOINT, progress=progress)
         metadata = checkpoint.source.metadata if checkpoint.format == "gguf" else None
         tokenizer = Tokenizer.from_checkpoint(checkpoint.path, gguf_metadata=metadata)
         model = checkpoint.load_model(dtype=dtype, device=device)
+        file_codes = quantize == "int4" and group_size == 32 and checkpoint.format == "gguf"
+        blocks = gguf_codes(checkpoint, model, tokenizer.vocab_size) if file_codes else {}
         return cls.prepared(model, tokenizer, str(checkpoint.path), exact=exact, measure_dtype=measure_dtype,
-                            check_file=check_file)
+                            check_file=check_file, quantize=quantize, group_size=group_size, blocks=blocks)
 
     @classmethod
     def from_transformers(cls, model: Any, tokenizer: Any, *, dtype: str | torch.dtype | None = None,
@@ -97,11 +106,15 @@ class LLM:
 
     @classmethod
     def prepared(cls, model: Transformer, tokenizer: Tokenizer, name: str, *, exact: bool = True,
-                 measure_dtype: bool = False, check_file: str | Path | None = None) -> LLM:
-        """The last steps of loading: the output head cut to the tokenizer's vocabulary; the model made
-        batch-invariant (in the fastest exact dtype when measure_dtype, see device.choose_dtype)."""
+                 measure_dtype: bool = False, check_file: str | Path | None = None, quantize: str | None = None,
+                 group_size: int = 32, blocks: dict | None = None) -> LLM:
+        """The last steps of loading: the output head cut to the tokenizer's vocabulary; linear layers quantized
+        when asked (taking `blocks`, a file's own codes, as they are); the model made batch-invariant (in the
+        fastest exact dtype when measure_dtype and nothing is quantized, see device.choose_dtype)."""
         drop_padded_logits(model, tokenizer.vocab_size)
-        if exact and measure_dtype and model.device.type == "cpu":
+        if quantize is not None:
+            quantize_linears(model, quantize, group_size, weights=blocks)
+        if exact and measure_dtype and quantize is None and model.device.type == "cpu":
             model = choose_dtype(model, check_file)
         elif exact:
             make_invariant(model, check_file)
@@ -197,6 +210,15 @@ class TextStream:
         if len(text) > shown:
             yield text[shown:]
         self.result = Generation(text, ids, self.prompt_ids, self._run.finish_reason, self._run.stats)
+
+
+def gguf_codes(checkpoint: Checkpoint, model: Transformer, n_tokens: int) -> dict:
+    """The GGUF file's own int4 codes for the model's linear layers (Q4_0/Q4_1 tensors), the output head's cut to
+    the tokenizer's vocabulary as drop_padded_logits cuts the float head."""
+    blocks = gguf_int4_weights(checkpoint.source, [name for name, *_ in linear_modules(model)])
+    if "output" in blocks:
+        blocks["output"] = map_rows(blocks["output"], lambda rows: rows[:n_tokens])
+    return blocks
 
 
 def device_and_dtype(device: str | torch.device | None, dtype: str | torch.dtype | None

@@ -161,3 +161,17 @@ def test_padded_vocabulary_never_yields_an_undecodable_id(tmp_path: Path) -> Non
     for seed in range(5):
         out = llm.generate("a b", max_new_tokens=16, temperature=2.0, seed=seed)
         assert max(out.token_ids) < n_tokens
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_lookahead_equals_quantized_plain_decoding(tiny_checkpoint: Path, mode: str) -> None:
+    common = ["a b c d", "--ckpt", str(tiny_checkpoint), "--json", "--max-new-tokens", "12", "--quantize", mode]
+    plain = run_cli(*common)
+    fast = run_cli(*common, "--strategy", "lookahead", "-W", "2", "-N", "3", "-G", "2")
+    assert plain.returncode == 0 and fast.returncode == 0, plain.stderr + fast.stderr
+    assert json.loads(fast.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+
+
+def test_bad_group_size_fails_before_loading(tiny_checkpoint: Path) -> None:
+    assert_one_line_error(run_cli("a", "--ckpt", "/nonexistent.gguf", "--quantize", "int4", "--group-size", "48"),
+                          "group_size must be one of")
