@@ -12,7 +12,6 @@ On CUDA nothing of this is applied: the stock kernels stay (untested here; see d
 from __future__ import annotations
 
 import copy
-import json
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ from torch import nn
 
 from .decoding.step_costs import cost_key, measure_step_costs
 from .invariance import RowTiledLinear, RowTiling, find_tiling, linear_kernel, prepack, tiled_matmul
+from .memo import read_table, write_entry
 from .model import Transformer
 
 
@@ -223,7 +223,7 @@ def make_invariant(model: Transformer, check_file: str | Path | None = None, *, 
     if model.device.type != "cpu":
         return Invariance(False, {})
     key = cost_key(model)
-    known = _read_json(check_file).get(key) if check_file is not None else None
+    known = (read_table(check_file) or {}).get(key) if check_file is not None else None
     if known is not None:
         found = Invariance.from_json(known)
         apply_tilings(model, found.tilings)
@@ -236,7 +236,7 @@ def make_invariant(model: Transformer, check_file: str | Path | None = None, *, 
                 break
         found = found or Invariance(False, {})
         if check_file is not None:
-            _write_json(check_file, key, found.as_json())
+            write_entry(check_file, key, found.as_json())
     if not found.exact and warn:
         print(f"minilade: {model.dtype} on this {model.device.type} is not batch-invariant: lookahead output "
               f"may differ from plain decoding at near-ties (float32 is exact here)", file=sys.stderr)
@@ -272,32 +272,12 @@ def _converted(model: Transformer, dtype: torch.dtype) -> Transformer:
 def _step_seconds(model: Transformer, check_file: str | Path | None) -> float:
     """Seconds of a one-row plus a 32-row step after 128 tokens (kept in check_file under "<key>|steps")."""
     key = cost_key(model) + "|steps"
-    known = _read_json(check_file).get(key) if check_file is not None else None
+    known = (read_table(check_file) or {}).get(key) if check_file is not None else None
     if known is None:
         known = sum(measure_step_costs(model, (1, 32), context=128, repeats=2).values())
         if check_file is not None:
-            _write_json(check_file, key, known)
+            write_entry(check_file, key, known)
     return float(known)
-
-
-def _read_json(path: str | Path) -> dict:
-    try:
-        raw = json.loads(Path(path).read_text())
-        return raw if isinstance(raw, dict) else {}
-    except (OSError, ValueError):
-        return {}  # no file yet, or an unreadable one: measure again
-
-
-def _write_json(path: str | Path, key: str, value) -> None:
-    path = Path(path)
-    table = _read_json(path)
-    table[key] = value
-    tmp = path.with_suffix(".tmp")
-    try:
-        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-        tmp.replace(path)
-    except OSError:
-        pass  # a file that cannot be written only costs a new check next time
 
 
 def pack_linears(model: Transformer) -> Transformer:

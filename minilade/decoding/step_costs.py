@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import weakref
@@ -11,6 +10,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ..memo import read_table, write_entry
 from ..model import Transformer
 
 
@@ -94,13 +94,8 @@ def cost_key(model: Transformer) -> str:
 def _read_costs(path: Path) -> dict[str, dict[int, float]] | None:
     """The cost table kept in `path`: {} when there is no file yet, None when the file is not a cost table.
     Entries that are not a positive whole size with positive, finite seconds are left out (measured again)."""
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+    raw = read_table(path)
+    if raw is None or not all(isinstance(v, dict) for v in raw.values()):
         return None
     return {key: {int(t): float(s) for t, s in entries.items() if _valid_entry(t, s)} for key, entries in raw.items()}
 
@@ -111,13 +106,6 @@ def _valid_entry(tokens: str, seconds: object) -> bool:
 
 
 def _write_costs(path: Path, key: str, seconds: dict[int, float]) -> None:
-    table = _read_costs(path)
-    if table is None:
+    if _read_costs(path) is None:
         raise ValueError(f"{path} is not a step-cost table; refusing to overwrite it (give auto another cost_file)")
-    table[key] = seconds
-    tmp = path.with_suffix(".tmp")
-    try:
-        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-        tmp.replace(path)
-    except OSError:
-        pass  # a cache that cannot be written only costs a new measurement next time
+    write_entry(path, key, seconds)
