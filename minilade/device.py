@@ -85,7 +85,8 @@ def probe_tilings(model: Transformer, packed: bool) -> dict[str, RowTiling] | No
 def linear_seconds(model: Transformer, tilings: dict[str, RowTiling], sizes=(1, 4, 16, 64), repeats: int = 5
                    ) -> float:
     """Sum over row counts of the median time of one block's linear layers and the output head, tiled."""
-    layers = [layer for _, _, layer in linear_layers(model.layers[0])] + [model.output]
+    layers = [layer for _, _, layer in linear_layers(model.layers[0])]
+    layers += [model.output] if isinstance(model.output, (nn.Linear, RowTiledLinear)) else []  # not if quantized
     total = 0.0
     with torch.inference_mode():
         for M in sizes:

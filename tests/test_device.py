@@ -12,6 +12,7 @@ from minilade.decoding import Autoregressive
 from minilade.decoding.lookahead import Lookahead
 from minilade.device import Invariance, choose_dtype, make_invariant, pack_linears, resolve_dtype
 from minilade.invariance import RowTiledLinear
+from minilade.quant import quantize_linears
 
 from .helpers import run_tokens, tiny_model
 
@@ -27,6 +28,15 @@ def test_tiled_model_computes_the_same_logits() -> None:
             expected = model(tokens[:, :T], torch.arange(T), model.new_cache(16))
             got = tiled(tokens[:, :T], torch.arange(T), tiled.new_cache(16))
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_make_invariant_times_only_the_float_layers_of_a_quantized_model(monkeypatch) -> None:
+    """A quantized output head has no float weight to time: choosing between tilings must skip it."""
+    model = quantize_linears(tiny_model(vocab=64), "int8")
+    model.layers[0].feed_forward.w_down = torch.nn.Linear(*reversed(model.layers[0].feed_forward.w_down.codes.shape))
+    monkeypatch.setattr(device, "packing_available", lambda dtype, dev: True)  # two tilings to choose between
+    assert make_invariant(model).exact
+    assert isinstance(model.layers[0].feed_forward.w_down, RowTiledLinear)
 
 
 def test_invariant_lookahead_equals_autoregressive() -> None:
