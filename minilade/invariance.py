@@ -54,9 +54,11 @@ class KeyLayout:
     """What every layer's attention in one step shares: which keys each row sees and which chunk each falls in.
 
     Rows are the step's T query rows for each of the G query heads of a key head, G*T, padded to `rows`; keys are
-    the cache and the step, S = past + T, padded to `keys`. hidden: (rows, keys) bool. Chunks of `chunk` keys made
-    only of committed keys (the first n_shared) are seen by every row; tail_select: (n_tail, rows, keys - L0) is 1
-    where a row sees a key of the tail [L0, keys) that falls in its tail chunk j, L0 = n_shared * chunk.
+    the cache and the step, S = past + T, padded to `keys`. hidden: (rows, keys) bool. The first n_shared chunks
+    of `chunk` keys are cut by slot: a row sees either all of a shared chunk's keys or, past its own end, none.
+    tail_select: None when every row sees a prefix of the slots (a causal step: slot order is visible order, every
+    chunk is shared); else (n_tail, rows, keys - L0), 1 where a row sees a key of the tail [L0, keys) that is in
+    its tail chunk j counted over the keys it sees, L0 = n_shared * chunk (a lookahead step, whose rows skip keys).
     """
 
     past: int
@@ -66,15 +68,23 @@ class KeyLayout:
     n_shared: int
     chunk: int
     hidden: torch.Tensor
-    tail_select: torch.Tensor
+    tail_select: torch.Tensor | None
+
+
+def sees_a_prefix(visible: torch.Tensor) -> bool:
+    """visible: (T, S) bool. True when every row sees slots [0, n) for some n: no hidden key before a visible one."""
+    return bool(visible[:, 0].all()) and not bool((visible[:, 1:] & ~visible[:, :-1]).any())
 
 
 def key_layout(visible: torch.Tensor, past: int, G: int, dtype: torch.dtype, chunk: int = KEY_CHUNK) -> KeyLayout:
     """visible: (T, past + T) bool (step_visibility); G query heads per key head; dtype: the model's."""
     T, S = visible.shape
-    R, Sp = round_up(G * T, ROW_TILE), round_up(S, COL_TILE)
+    prefix = sees_a_prefix(visible)
+    R, Sp = round_up(G * T, ROW_TILE), round_up(S, chunk if prefix else COL_TILE)
     seen = visible.repeat(G, 1)
     seen = F.pad(torch.cat([seen, seen[:1].expand(R - G * T, S)]), (0, Sp - S))  # padding rows copy row 0
+    if prefix:
+        return KeyLayout(past, T, R, Sp, Sp // chunk, chunk, ~seen, None)
     n_shared = past // chunk
     tail_seen = seen[:, n_shared * chunk:]
     tail_chunk = (tail_seen.cumsum(-1) - 1).div_(chunk, rounding_mode="floor").masked_fill_(~tail_seen, -1)
@@ -83,46 +93,55 @@ def key_layout(visible: torch.Tensor, past: int, G: int, dtype: torch.dtype, chu
     return KeyLayout(past, T, R, Sp, n_shared, chunk, ~seen, select.to(work_dtype(dtype)))
 
 
+def value_columns(D: int) -> int:
+    """Columns of the values attention multiplies: D, a column of ones that sums the weights, zeros to a tile."""
+    return round_up(D + 1, COL_TILE)
+
+
+def pad_keys_values(keys: torch.Tensor, values: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys, values: (B, Hkv, S, D) -> keys (B, Hkv, n_slots, D) and values (B, Hkv, n_slots, value_columns(D)),
+    zero-padded, values with their column of ones: the layout a padded KVCache keeps (kv_cache.py)."""
+    B, Hkv, S, D = values.shape
+    ones = values.new_ones(B, Hkv, S, 1)
+    v1 = F.pad(torch.cat([values, ones], dim=-1), (0, value_columns(D) - D - 1, 0, n_slots - S))
+    return F.pad(keys, (0, 0, 0, n_slots - S)), v1
+
+
 def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: KeyLayout
                         ) -> torch.Tensor:
     """Softmax attention whose every row depends only on the keys that row sees, in slot order.
 
-    q: (B, H, T, D); keys, values: (B, Hkv, S, D) with S = past + T (the cache, then the step's rows).
-    Returns (B, H, T, D) in the cache's dtype.
+    q: (B, H, T, D); keys: (B, Hkv, layout.keys, D), values: (B, Hkv, layout.keys, value_columns(D)), the cache
+    and then the step's rows, past + T slots, then slots the layout hides (finite), values with their column of
+    ones (pad_keys_values, or a padded KVCache's views). Returns (B, H, T, D) in q's dtype.
 
     Row r's visible keys, in slot order, are numbered 0, 1, ...; in a causal or lookahead step that is position
     order, the same sequence a one-row step at r's position sees. Key k falls in chunk k // chunk. Scores use the
     row's exact maximum; each chunk's weighted sum of values (and of weights: a column of ones) is one matmul in
-    which hidden keys weigh exactly 0; chunks are added in order, one at a time. Chunks made only of
-    committed keys are shared by all rows and computed together; each tail chunk by one matmul over the whole tail,
-    other keys zeroed.
+    which hidden keys weigh exactly 0; the chunk sums are then added in order by one sequential scan. Shared
+    chunks (cut by slot) are computed together by one batched matmul; each tail chunk by one matmul over the
+    whole tail, the keys of other chunks zeroed.
     """
     B, H, T, D = q.shape
-    Hkv, S = keys.shape[1], keys.shape[2]
-    G, R, Sp, C = H // Hkv, layout.rows, layout.keys, layout.chunk
-    Dp = round_up(D + 1, COL_TILE)
+    Hkv = keys.shape[1]
+    G, R, C = H // Hkv, layout.rows, layout.chunk
     work = work_dtype(q.dtype)
-    q = F.pad(q.reshape(B, Hkv, G * T, D).to(work) * D ** -0.5, (0, 0, 0, R - G * T))  # heads under their key head
-    k = F.pad(keys.to(work), (0, 0, 0, Sp - S))  # (B, Hkv, Sp, D)
-    ones = keys.new_ones(B, Hkv, S, 1, dtype=work)  # a column that sums the weights
-    v1 = F.pad(torch.cat([values.to(work), ones], dim=-1), (0, Dp - D - 1, 0, Sp - S))  # (B, Hkv, Sp, Dp)
-    scores = (q @ k.transpose(-1, -2)).masked_fill_(layout.hidden, float("-inf"))  # (B, Hkv, R, Sp)
+    qs = F.pad(q.reshape(B, Hkv, G * T, D).to(work) * D ** -0.5, (0, 0, 0, R - G * T))  # heads under their key head
+    k, v1 = keys.to(work), values.to(work)  # no copy when the cache keeps the work dtype
+    scores = (qs @ k.transpose(-1, -2)).masked_fill_(layout.hidden, float("-inf"))  # (B, Hkv, R, keys)
     weights = (scores - scores.amax(-1, keepdim=True)).exp_()  # exactly 0 where hidden
 
     n, L0 = layout.n_shared, layout.n_shared * C
-    parts = []
-    if n:
-        w = weights[..., :L0].unflatten(-1, (n, C)).transpose(2, 3)  # (B, Hkv, n, R, C)
-        parts.append(w @ v1[:, :, :L0].unflatten(2, (n, C)))  # (B, Hkv, n, R, Dp)
-    w = weights[..., L0:].unsqueeze(2) * layout.tail_select  # (B, Hkv, n_tail, R, Sp - L0)
-    parts.append(w @ v1[:, :, L0:].unsqueeze(2))
-    total = None
-    for chunk_sums in (part.unbind(2) for part in parts):  # chunks added in order, one at a time (a trailing
-        for chunk_sum in chunk_sums:                        # chunk a row does not reach adds exact zeros)
-            total = chunk_sum if total is None else total + chunk_sum  # (B, Hkv, R, Dp)
-    total = total[:, :, :G * T]
+    w = weights[..., :L0].unflatten(-1, (n, C)).transpose(2, 3)  # (B, Hkv, n, R, C)
+    chunk_sums = w @ v1[:, :, :L0].unflatten(2, (n, C))  # (B, Hkv, n, R, Dp)
+    if layout.tail_select is not None:
+        w = weights[..., L0:].unsqueeze(2) * layout.tail_select  # (B, Hkv, n_tail, R, keys - L0)
+        chunk_sums = torch.cat([chunk_sums, w @ v1[:, :, L0:].unsqueeze(2)], dim=2)
+    # A scan adds the chunks one after another, in order, whatever their number (a trailing chunk a row does not
+    # reach adds exact zeros); a sum() reduction would group them by the count.
+    total = chunk_sums.cumsum(2)[:, :, -1, :G * T]  # (B, Hkv, G*T, value_columns(D))
     out = total[..., :D] / total[..., D:D + 1]
-    return out.reshape(B, H, T, D).to(keys.dtype)
+    return out.reshape(B, H, T, D).to(q.dtype)
 
 
 # ---- weight matmuls in fixed row tiles ----------------------------------------------------------------------------

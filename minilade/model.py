@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .invariance import KeyLayout, invariant_attention, key_layout, step_visibility
+from .invariance import KeyLayout, invariant_attention, key_layout, step_visibility, work_dtype
 from .kv_cache import KVCache
 
 
@@ -77,9 +77,10 @@ class Attention(nn.Module):
         v = qkv[:, :, n_qk:].transpose(1, 2)  # (B, Hkv, T, D)
         keys, values = cache.write(layer, k, v)  # (B, Hkv, S, D), S = past + T
         if isinstance(mask, KeyLayout):  # each row's result independent of the step's shape (invariance.py)
-            y = invariant_attention(q, keys, values, mask)
+            y = invariant_attention(q, *cache.padded_views(layer, mask.keys), mask)
         else:
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and T > 1,
+            y = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                               is_causal=mask is None and T > 1,
                                                enable_gqa=self.n_heads != self.n_kv_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -144,13 +145,22 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
+    @property
+    def invariant_steps(self) -> bool:
+        """Decoding steps run batch-invariant (invariance.py): on the CPU, where that is verified at load."""
+        return self.device.type == "cpu"
+
     def setup_rope(self) -> None:
         """(Re)build the rotary tables on the weights' device and dtype; call after moving the model."""
         self.rope_cos, self.rope_sin = rope_tables(self.config, self.dtype, self.device)
 
     def new_cache(self, capacity: int | None = None, batch_size: int = 1) -> KVCache:
+        """On the CPU (batch-invariant decoding steps) the cache keeps the padded layout and attention's work
+        dtype (bfloat16 keys and values stored exactly in float32, read without a copy)."""
+        invariant = self.invariant_steps
         return KVCache(self.config, capacity or self.config.max_seq_len, batch_size=batch_size,
-                       dtype=self.dtype, device=self.device)
+                       dtype=work_dtype(self.dtype) if invariant else self.dtype, device=self.device,
+                       padded=invariant)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
                 mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,7 +192,7 @@ class Transformer(nn.Module):
         decoding read the same prompt K/V), and so does CUDA, where the invariant path is not verified."""
         if past:
             visible = step_visibility(mask, past, T, self.device)
-            if self.device.type != "cpu":
+            if not self.invariant_steps:
                 return visible
             return key_layout(visible, past, self.config.n_heads // self.config.n_kv_heads, self.dtype)
         if mask is not None and mask.shape != (T, T):

@@ -13,6 +13,7 @@ from minilade.invariance import (
     RowTiling,
     invariant_attention,
     key_layout,
+    pad_keys_values,
     step_visibility,
     tiled_matmul,
 )
@@ -32,6 +33,10 @@ def test_one_row_step_equals_its_row_in_wide_steps(dtype: torch.dtype, preset: s
         assert check_invariance(model, contexts, width, lanes), (contexts, width, lanes)
 
 
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout) -> torch.Tensor:
+    return invariant_attention(q, *pad_keys_values(keys, values, layout.keys), layout)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_attention_row_ignores_other_rows_and_hidden_keys(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
@@ -39,13 +44,13 @@ def test_attention_row_ignores_other_rows_and_hidden_keys(dtype: torch.dtype) ->
     q = torch.randn(1, H, T, D, generator=gen).to(dtype)
     keys, values = (torch.randn(1, Hkv, past + T, D, generator=gen).to(dtype) for _ in range(2))
     positions, mask = interleaved_step(past, T, lanes=4)
-    wide = invariant_attention(q, keys, values, key_layout(step_visibility(mask, past, T, "cpu"), past, 3, dtype))
+    wide = attend(q, keys, values, key_layout(step_visibility(mask, past, T, "cpu"), past, 3, dtype))
     for r in (0, 5, 13, 23):
         seen = mask[r].nonzero().squeeze(1) + past  # the row's visible step rows, in position order
         k, v = (torch.cat([t[:, :, :past], t[:, :, seen]], dim=2) for t in (keys, values))
         n = seen.numel()
         one_row = key_layout(step_visibility(None, past + n - 1, 1, "cpu"), past + n - 1, 3, dtype)
-        alone = invariant_attention(q[:, :, r:r + 1], k, v, one_row)
+        alone = attend(q[:, :, r:r + 1], k, v, one_row)
         assert torch.equal(alone[:, :, 0], wide[:, :, r]), r
         assert int(positions[r]) == past + n - 1  # the row's keys are a chain of consecutive positions
 
@@ -58,8 +63,25 @@ def test_attention_matches_softmax_attention() -> None:
     _, mask = interleaved_step(past, T, lanes=3)
     visible = step_visibility(mask, past, T, "cpu")
     expected = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
-    got = invariant_attention(q, keys, values, key_layout(visible, past, 2, torch.float64))
+    got = attend(q, keys, values, key_layout(visible, past, 2, torch.float64))
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_stale_slots_past_the_step_do_not_change_a_step(dtype: torch.dtype) -> None:
+    """A padded cache hides its unwritten and rolled-back slots instead of zeroing them: they must weigh nothing."""
+    model = tiny_model(vocab=50, dtype=dtype)
+    tokens = torch.randint(0, 50, (1, 20), generator=torch.Generator().manual_seed(3))
+    logits = []
+    for stale in (0.0, 7.0):
+        cache = model.new_cache(40)
+        with torch.no_grad():
+            model(tokens[:, :17], torch.arange(17), cache)
+            cache.commit(17)
+            cache.k[:, :, :, 17:] = stale  # as rows of a rejected step would leave them
+            cache.v[:, :, :, 17:, :model.config.head_dim] = stale
+            logits.append(model(tokens[:, 17:], torch.arange(17, 20), cache))
+    assert torch.equal(logits[0], logits[1])
 
 
 def test_check_catches_a_row_count_dependent_layer() -> None:
