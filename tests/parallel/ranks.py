@@ -51,3 +51,10 @@ def run_ranks(world: int, scenario: str, folder: Path, *args: str, timeout_s: fl
 def check_ok(finished: list[Finished]) -> None:
     for rank, f in enumerate(finished):
         assert f.returncode == 0, f"rank {rank} failed:\n{f.stderr[-3000:]}"
+
+
+def results(folder: Path, world: int) -> list[dict]:
+    """What each rank's scenario wrote, in rank order."""
+    import torch
+
+    return [torch.load(folder / f"rank{rank}.pt") for rank in range(world)]

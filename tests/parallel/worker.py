@@ -23,22 +23,23 @@ from tests.parallel.reference import GEN_PROMPT, STEP_COSTS, lookahead_step, pre
 TIMEOUT_S = 20.0
 
 
-def shard(folder: str, dtype: torch.dtype):
-    """This rank's model of the checkpoint in `folder`, the whole vocabulary in its head."""
+def shard(ckpt: str, dtype: torch.dtype):
+    """This rank's model of the checkpoint folder `ckpt`, the whole vocabulary in its head."""
     group = init_tensor_parallel(torch.device("cpu"), TIMEOUT_S)
-    checkpoint = open_checkpoint(folder)
+    checkpoint = open_checkpoint(ckpt)
     plan = ShardPlan(checkpoint.config, dist.get_rank(), dist.get_world_size(), checkpoint.config.vocab_size)
     return build_rank_model(plan, checkpoint_parts(checkpoint, plan), dtype=dtype, device="cpu", group=group)
 
 
-def logits(folder: str) -> dict:
-    """Logits of a prefill and of a lookahead step after it (float64)."""
-    return dict(zip(("prefill", "step"), prefill_and_step(shard(folder, torch.float64), lookahead_step())))
+def logits(folder: str, *checkpoints: str) -> dict:
+    """Per checkpoint folder: logits of a prefill and of a lookahead step after it (float64)."""
+    return {ckpt: dict(zip(("prefill", "step"), prefill_and_step(shard(ckpt, torch.float64), lookahead_step())))
+            for ckpt in checkpoints}
 
 
-def generate(folder: str) -> dict:
+def generate(folder: str, ckpt: str) -> dict:
     """Greedy tokens of every strategy, and sampled tokens with and without a seed."""
-    model = shard(folder, torch.float64)
+    model = shard(ckpt, torch.float64)
     strategies = {"autoregressive": Autoregressive(), "lookahead": Lookahead(window=4, ngram=3, guesses=3),
                   "auto": Auto(window=4, ngram=3, guesses=3)}  # step costs measured
     out = {name: run_tokens(model, GEN_PROMPT, s, max_new_tokens=30)[0] for name, s in strategies.items()}
@@ -51,7 +52,16 @@ def generate(folder: str) -> dict:
     return out
 
 
-SCENARIOS = {"logits": logits, "generate": generate}
+def llm(folder: str, ckpt: str, prompt: str) -> dict:
+    """Greedy tokens through the library's front door: LLM.load(tensor_parallel=True), float32, exact."""
+    from minilade import LLM
+
+    model = LLM.load(ckpt, dtype="float32", device="cpu", progress=False, tensor_parallel=True)
+    return {name: model.generate(prompt, max_new_tokens=8, strategy=strategy).token_ids
+            for name, strategy in (("autoregressive", Autoregressive()), ("lookahead", Lookahead()))}
+
+
+SCENARIOS = {"logits": logits, "generate": generate, "llm": llm}
 
 
 def main(scenario: str, folder: str, *args: str) -> int:
