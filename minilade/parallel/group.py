@@ -8,6 +8,7 @@ one TensorParallelError line instead of a hang.
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
 from typing import Any, Callable, Mapping, TypeVar
 
@@ -63,8 +64,9 @@ def collective(what: str, run: Callable[[], T]) -> T:
     try:
         return run()
     except RuntimeError as error:
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", one_line(error))  # without gloo's source-file prefix
         raise TensorParallelError(f"rank {dist.get_rank()}: {what} failed: a peer rank exited or did not answer "
-                                  f"in time ({one_line(error)[:200]})") from None
+                                  f"in time ({reason[:160]})") from None
 
 
 def together(what: str, work: Callable[[], T], group: dist.ProcessGroup | None = None) -> T:

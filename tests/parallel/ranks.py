@@ -26,14 +26,16 @@ class Finished:
 
 
 def run_ranks(world: int, scenario: str, folder: Path, *args: str, timeout_s: float = 90.0,
-              ranks: range | None = None) -> list[Finished]:
+              ranks: range | None = None, group_timeout_s: float = 20.0) -> list[Finished]:
     """Run `python -m tests.parallel.worker scenario folder args...` as ranks 0..world-1 (only those in `ranks`
-    are started: leaving one out is a missing peer) with one thread each; their outcomes in rank order."""
+    are started: leaving one out is a missing peer) with one thread each and the process group's timeout
+    group_timeout_s; their outcomes in rank order."""
     port = free_port()
     procs = []
     for rank in ranks if ranks is not None else range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+                   TEST_TIMEOUT_S=str(group_timeout_s))
         procs.append(subprocess.Popen([sys.executable, "-m", "tests.parallel.worker", scenario, str(folder), *args],
                                       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     finished = []

@@ -20,7 +20,7 @@ from minilade.sampling import SamplingParams
 from tests.helpers import run_tokens
 from tests.parallel.reference import GEN_PROMPT, STEP_COSTS, lookahead_step, prefill_and_step
 
-TIMEOUT_S = 20.0
+TIMEOUT_S = float(os.environ.get("TEST_TIMEOUT_S", "20"))  # the process group's timeout
 
 
 def shard(ckpt: str, dtype: torch.dtype):
@@ -61,7 +61,27 @@ def llm(folder: str, ckpt: str, prompt: str) -> dict:
             for name, strategy in (("autoregressive", Autoregressive()), ("lookahead", Lookahead()))}
 
 
-SCENARIOS = {"logits": logits, "generate": generate, "llm": llm}
+def llm_per_rank(folder: str, *checkpoints: str) -> dict:
+    """LLM.load of checkpoints[rank] (ranks that disagree, or one that cannot open its file)."""
+    from minilade import LLM
+    from minilade.parallel import init_tensor_parallel
+
+    init_tensor_parallel(torch.device("cpu"), TIMEOUT_S)
+    LLM.load(checkpoints[dist.get_rank()], dtype="float32", device="cpu", progress=False, tensor_parallel=True)
+    return {}
+
+
+def peer_dies(folder: str, ckpt: str) -> dict:
+    """Rank 1 exits right after loading; rank 0 then decodes."""
+    model = shard(ckpt, torch.float64)
+    if dist.get_rank() == 1:
+        os._exit(3)
+    run_tokens(model, GEN_PROMPT, Autoregressive(), max_new_tokens=5)
+    return {}
+
+
+SCENARIOS = {"logits": logits, "generate": generate, "llm": llm, "llm_per_rank": llm_per_rank,
+             "peer_dies": peer_dies}
 
 
 def main(scenario: str, folder: str, *args: str) -> int:
