@@ -1,5 +1,5 @@
-"""Each rank loads only its part: the parts equal the whole tensor's, the real SmolLM2 GGUF runs on 3 ranks, and
-a rank that cannot load ends every rank with one clear line."""
+"""Each rank loads only its part: GGUF parts equal the same parts of the whole tensors (rows, columns on and off
+block boundaries, rotary heads), and the real SmolLM2 GGUF on 3 ranks generates what one process does."""
 
 from __future__ import annotations
 
