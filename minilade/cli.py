@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -15,6 +16,7 @@ from .checkpoints import DEFAULT_CHECKPOINT, default_weights_dir
 from .decoding import STRATEGIES, GenerationSettings, make_strategy
 from .errors import CheckpointError, TokenizerError, UnsupportedModelError
 from .llm import LLM, Generation, TextStream
+from .parallel import launched_with_ranks, quiet_unless_leader, read_on_leader, shutdown
 from .quant import check_options
 from .sampling import SamplingParams
 
@@ -92,7 +94,8 @@ def stream_to_stdout(stream) -> Generation:
 
 
 def run_once(llm: LLM, args: argparse.Namespace, settings: GenerationSettings) -> None:
-    stream = TextStream(llm, llm.encode(read_prompt(args), chat=args.chat, system=args.system), settings)
+    prompt = read_on_leader(llm.model, lambda: read_prompt(args))  # only rank 0 reads stdin (tensor parallel)
+    stream = TextStream(llm, llm.encode(prompt, chat=args.chat, system=args.system), settings)
     if args.json:
         for _ in stream:
             pass
@@ -108,7 +111,7 @@ def run_interactive(llm: LLM, args: argparse.Namespace, settings: GenerationSett
     print("minilade chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:
-            user = input("> ")
+            user = read_on_leader(llm.model, lambda: input("> "))
         except EOFError:
             break
         if not user.strip():
@@ -145,17 +148,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.quantize is not None:
             check_options(args.quantize, args.group_size)
         llm = LLM.load(args.ckpt, dtype=args.dtype, device=args.device, quantize=args.quantize,
-                       group_size=args.group_size, check_file=default_weights_dir() / "invariance.json")
-        if args.interactive:
-            run_interactive(llm, args, settings)
-        else:
-            run_once(llm, args, settings)
+                       group_size=args.group_size, check_file=default_weights_dir() / "invariance.json",
+                       tensor_parallel=launched_with_ranks(os.environ))
+        with quiet_unless_leader(llm.model):  # under torchrun, only rank 0 writes
+            if args.interactive:
+                run_interactive(llm, args, settings)
+            else:
+                run_once(llm, args, settings)
     except (ValueError, CheckpointError, TokenizerError, UnsupportedModelError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("", file=sys.stderr)
         return 130
+    finally:
+        shutdown()
     return 0
 
 

@@ -29,6 +29,7 @@ from .decoding.loop import cache_for
 from .device import choose_dtype, default_device, make_invariant, resolve_dtype
 from .kv_cache import KVCache
 from .model import Transformer
+from .parallel import load_shard
 from .quant import check_options, linear_modules, map_rows, quantize_linears
 from .sampling import SamplingParams
 from .tokenizer import StreamDecoder, Tokenizer
@@ -60,7 +61,8 @@ class LLM:
     @classmethod
     def load(cls, ckpt: str | Path | None = None, *, dtype: str | torch.dtype | None = None,
              device: str | torch.device | None = None, progress: bool = True, exact: bool = True,
-             check_file: str | Path | None = None, quantize: str | None = None, group_size: int = 32) -> LLM:
+             check_file: str | Path | None = None, quantize: str | None = None, group_size: int = 32,
+             tensor_parallel: bool = False) -> LLM:
         """ckpt: a .gguf file, a folder with config.json and safetensors, a Hugging Face repo id
         (owner/name[@revision]), or None for the demo model (downloaded on first use).
         dtype: float32, bfloat16, float16 (CUDA only) or None for the device's fast default.
@@ -70,11 +72,19 @@ class LLM:
         check_file: a JSON file where what the check found is kept per machine (None: checked at every load).
         quantize: "int8" (per output channel) or "int4" (groups of group_size inputs) keeps the linear layers
         quantized (CPU only, bfloat16 inside the layer, see quant.py); int4 in groups of 32 takes a GGUF file's
-        Q4_0/Q4_1 codes as they are."""
+        Q4_0/Q4_1 codes as they are.
+        tensor_parallel: this process is one rank of a run launched by torchrun; it loads and runs only its shard
+        (minilade/parallel; dtype auto is float32 on the CPU, the check is made at every load, no quantization)."""
         if quantize is not None:
             check_options(quantize, group_size)
         measure_dtype = dtype in (None, "auto")
         device, dtype = device_and_dtype(device, dtype)
+        if tensor_parallel:
+            if quantize is not None:
+                raise ValueError("quantize does not combine with tensor parallelism (yet): leave it out")
+            model, tokenizer, name = load_shard(ckpt if ckpt is not None else DEFAULT_CHECKPOINT, dtype=dtype,
+                                                device=device, progress=progress)
+            return cls.prepared(model, tokenizer, name, exact=exact)
         checkpoint = open_checkpoint(ckpt if ckpt is not None else DEFAULT_CHECKPOINT, progress=progress)
         metadata = checkpoint.source.metadata if checkpoint.format == "gguf" else None
         tokenizer = Tokenizer.from_checkpoint(checkpoint.path, gguf_metadata=metadata)

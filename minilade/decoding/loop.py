@@ -16,6 +16,7 @@ import torch
 
 from ..kv_cache import KVCache
 from ..model import Transformer
+from ..parallel.layers import shared_sampling
 from ..sampling import Sampler, SamplingParams
 from .autoregressive import Autoregressive
 from .base import DecodeContext, Decoder, Step, Strategy
@@ -153,8 +154,9 @@ def decode_tokens(model: Transformer, prompt: Sequence[int], run: TokenRun, sett
     (see cache_for); nothing else may use it until the iterator is exhausted or closed.
     """
     check_prompt(prompt, model)
-    ctx = DecodeContext(model, cache_for(model, len(prompt), settings, cache), Sampler(settings.sampling, model.device),
-                        list(prompt), model.config.max_seq_len)
+    sampler = Sampler(shared_sampling(model, settings.sampling), model.device)  # one seed on every rank
+    ctx = DecodeContext(model, cache_for(model, len(prompt), settings, cache), sampler, list(prompt),
+                        model.config.max_seq_len)
     run.stats.strategy, run.stats.prompt_tokens = settings.strategy.name, len(prompt)
     with torch.inference_mode():
         decoder = settings.strategy.make_decoder(ctx)

@@ -12,6 +12,7 @@ import torch
 
 from ..memo import read_table, write_entry
 from ..model import Transformer
+from ..parallel.layers import from_rank0, is_leader
 
 
 def measure_step_costs(model: Transformer, sizes: Iterable[int], *, context: int = 256, repeats: int = 3
@@ -75,12 +76,13 @@ def step_costs_for(model: Transformer, sizes: Sequence[int], cost_file: str | Pa
     key = cost_key(model)
     if cost_file is not None and not set(sizes) <= set(known):
         known.update((_read_costs(Path(cost_file)) or {}).get(key, {}))
-    missing = [T for T in sizes if T not in known]
+    # A sharded model (minilade/parallel) measures on every rank at once and steps by rank 0's figures.
+    missing = from_rank0(model, [T for T in sizes if T not in known])
     if missing:
         known.update(measure_step_costs(model, sorted(set(missing) | {1})))
-        if cost_file is not None:
+        if cost_file is not None and is_leader(model):
             _write_costs(Path(cost_file), key, known)
-    return StepCosts({T: known[T] for T in set(sizes) | {1}})
+    return StepCosts(from_rank0(model, {T: known.get(T, 0.0) for T in set(sizes) | {1}}))
 
 
 def cost_key(model: Transformer) -> str:

@@ -1,0 +1,48 @@
+"""A model split over 2 and 3 gloo ranks computes what the whole model computes, and decodes the same tokens.
+
+Each test starts its ranks as processes (ranks.py); they write their results, compared here with the
+single-process model loaded from the same checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minilade.checkpoints import open_checkpoint
+from minilade.decoding import Autoregressive, Lookahead
+from minilade.sampling import SamplingParams
+from tests.helpers import run_tokens
+from tests.parallel.ranks import check_ok, results, run_ranks
+from tests.parallel.reference import GEN_PROMPT, lookahead_step, prefill_and_step
+
+
+def whole_model(folder, dtype=torch.float64):
+    return open_checkpoint(folder).load_model(dtype=dtype, device="cpu")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_split_logits_equal_whole_model(world, even_checkpoint, one_kv_checkpoint, tmp_path):
+    checkpoints = [str(even_checkpoint), str(one_kv_checkpoint)]  # heads split; one key/value head replicated
+    check_ok(run_ranks(world, "logits", tmp_path, *checkpoints))
+    ranks = results(tmp_path, world)
+    for ckpt in checkpoints:
+        want_prefill, want_step = prefill_and_step(whole_model(ckpt), lookahead_step())
+        for got in ranks:
+            torch.testing.assert_close(got[ckpt]["prefill"], want_prefill, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got[ckpt]["step"], want_step, rtol=1e-12, atol=1e-12)
+            assert torch.equal(got[ckpt]["step"], ranks[0][ckpt]["step"])  # the same bits on every rank
+
+
+def test_generation_on_two_ranks_equals_one_process(even_checkpoint, tmp_path):
+    check_ok(run_ranks(2, "generate", tmp_path, str(even_checkpoint)))
+    model = whole_model(even_checkpoint)
+    greedy = run_tokens(model, GEN_PROMPT, Autoregressive(), max_new_tokens=30)[0]
+    sampled = run_tokens(model, GEN_PROMPT, Lookahead(window=4, ngram=3, guesses=3), max_new_tokens=20,
+                         sampling=SamplingParams(temperature=1.0, seed=7))[0]
+    ranks = results(tmp_path, 2)
+    for got in ranks:
+        for name in ("autoregressive", "lookahead", "auto", "auto-drafting"):
+            assert got[name] == greedy, name
+        assert got["sampled-7"] == sampled
+    assert ranks[0]["sampled-None"] == ranks[1]["sampled-None"]  # rank 0's seed, on both
+    assert len(set(greedy)) > 3  # not a degenerate repetition
