@@ -31,6 +31,10 @@ class ChatTemplateError(ValueError):
     """A chat template failed to compile or render (syntax error, `raise_exception`, bad message shape)."""
 
 
+class TensorParallelError(ValueError):
+    """A tensor-parallel run cannot go on: a rank failed, a peer did not answer in time, or the ranks disagree."""
+
+
 def one_line(error: BaseException | str) -> str:
     """A third-party error message folded onto one line (hub, pip and parser errors span several)."""
     return " ".join(str(error).split()) or type(error).__name__

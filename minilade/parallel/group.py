@@ -15,16 +15,11 @@ from typing import Any, Callable, Mapping, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..errors import one_line
+from ..errors import TensorParallelError, one_line
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 120.0  # loading a large shard, or one step of a large model on a slow CPU, fits well inside
 ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets for init_method="env://"
-
-
-class TensorParallelError(ValueError):
-    """A tensor-parallel run cannot go on: a rank failed, a peer did not answer in time, or the ranks disagree.
-    (Belongs in minilade/errors.py with the other error classes; kept here until it moves.)"""
 
 
 def launched_with_ranks(environ: Mapping[str, str]) -> bool:
