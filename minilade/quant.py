@@ -171,7 +171,7 @@ class QuantizedLinear(nn.Module):
         if self.dense is not None and rows.shape[0] >= self.dense_from_rows:
             y = F.linear(rows.to(self.dense.dtype), self.dense).to(x.dtype)
         else:
-            y = self.kernel(rows.to(self.kernel_dtype).contiguous()).to(x.dtype)
+            y = self.kernel(rows.to(self.kernel_dtype, memory_format=torch.contiguous_format)).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
