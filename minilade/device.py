@@ -23,6 +23,7 @@ from torch import nn
 
 from .decoding.step_costs import cost_key, measure_step_costs
 from .invariance import RowTiledLinear, RowTiling, find_tiling, linear_kernel, prepack, tiled_matmul
+from .masks import interleaved_step
 from .memo import read_table, write_entry
 from .model import Transformer
 
@@ -130,18 +131,6 @@ def _as_linear(layer: RowTiledLinear) -> nn.Linear:
 
 
 # ---- the whole-model check -----------------------------------------------------------------------------------
-
-
-def interleaved_step(past: int, T: int, lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions (T,) and mask (T, T) of a lookahead-shaped step: row r is in lane r % lanes, the input token
-    (row 0) opens lane 0; each lane is a chain of consecutive positions seeing row 0 and its own earlier rows, so
-    every row's visible rows are interleaved with rows it must not see."""
-    r = torch.arange(T)
-    lane, index = r % lanes, r // lanes
-    positions = past + index + (lane > 0).long()
-    mask = (lane[:, None] == lane[None, :]) & (index[None, :] <= index[:, None])
-    mask[:, 0] = True
-    return positions, mask
 
 
 def check_invariance(model: Transformer, contexts=(5, 70), width: int = 16, lanes: int = 4, seed: int = 0

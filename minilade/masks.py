@@ -193,3 +193,15 @@ class StepShape:
         offsets = torch.cat([self.offsets, (tree.depth + 1).to(self.device)])
         read = torch.cat([torch.tensor(self.read), torch.arange(n, T)]).to(self.device)
         return mask, offsets, read
+
+
+def interleaved_step(past: int, T: int, lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (T,) and mask (T, T) of a lookahead-shaped step: row r is in lane r % lanes, the input token
+    (row 0) opens lane 0; each lane is a chain of consecutive positions seeing row 0 and its own earlier rows, so
+    every row's visible rows are interleaved with rows it must not see."""
+    r = torch.arange(T)
+    lane, index = r % lanes, r // lanes
+    positions = past + index + (lane > 0).long()
+    mask = (lane[:, None] == lane[None, :]) & (index[None, :] <= index[:, None])
+    mask[:, 0] = True
+    return positions, mask

@@ -7,7 +7,7 @@ import torch
 
 from minilade.decoding import Autoregressive
 from minilade.decoding.lookahead import Lookahead
-from minilade.device import Invariance, check_invariance, interleaved_step, make_invariant
+from minilade.device import Invariance, check_invariance, make_invariant
 from minilade.invariance import (
     RowTiledLinear,
     RowTiling,
@@ -17,6 +17,7 @@ from minilade.invariance import (
     step_visibility,
     tiled_matmul,
 )
+from minilade.masks import interleaved_step
 
 from .helpers import run_tokens, tiny_model
 

@@ -10,6 +10,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ..masks import interleaved_step
 from ..memo import read_table, write_entry
 from ..model import Transformer
 from ..parallel.layers import from_rank0, is_leader
@@ -18,7 +19,9 @@ from ..parallel.layers import from_rank0, is_leader
 def measure_step_costs(model: Transformer, sizes: Iterable[int], *, context: int = 256, repeats: int = 3
                        ) -> dict[int, float]:
     """Median seconds of one forward pass of T tokens (all rows projected to the vocabulary) after `context`
-    committed tokens, for each T in sizes. Sizes are measured round-robin, after one warm-up pass each."""
+    committed tokens, for each T in sizes, the rows masked as a lookahead step's are (interleaved chains: the
+    batch-invariant attention takes its slower path for them, as in real steps). Sizes are measured
+    round-robin, after one warm-up pass each."""
     sizes = sorted(set(sizes))
     context = min(context, model.config.max_seq_len - max(sizes) - 1)
     gen = torch.Generator().manual_seed(0)
@@ -34,9 +37,9 @@ def measure_step_costs(model: Transformer, sizes: Iterable[int], *, context: int
         for rep in range(repeats + 1):
             for T in sizes:
                 tokens = torch.randint(model.config.vocab_size, (1, T), generator=gen).to(device)
-                mask = torch.ones(T, T, dtype=torch.bool, device=device).tril_()
+                positions, mask = interleaved_step(context, T, lanes=4)
                 start = time.perf_counter()
-                model(tokens, torch.arange(context, context + T, device=device), cache, mask)
+                model(tokens, positions.to(device), cache, mask.to(device))
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 if rep:  # the first round is warm-up
@@ -90,7 +93,7 @@ def cost_key(model: Transformer) -> str:
     c = model.config
     device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
     return (f"L{c.n_layers}-d{c.dim}-h{c.n_heads}/{c.n_kv_heads}-ff{c.intermediate_size}-v{c.vocab_size}|"
-            f"{model.dtype}|{device}|threads {torch.get_num_threads()}|torch {torch.__version__}")
+            f"{model.dtype}|{device}|threads {torch.get_num_threads()}|torch {torch.__version__}|lookahead mask")
 
 
 def _read_costs(path: Path) -> dict[str, dict[int, float]] | None:
