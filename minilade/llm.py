@@ -128,6 +128,8 @@ class LLM:
             model = choose_dtype(model, check_file)
         elif exact:
             make_invariant(model, check_file)
+        else:
+            model.batch_invariant = False
         return cls(model, tokenizer, name)
 
     def _take_cache(self) -> KVCache | None:

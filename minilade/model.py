@@ -136,6 +136,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.batch_invariant = True
         # Buffers (not saved), so that .to(dtype) converts them with the weights.
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
@@ -150,8 +151,9 @@ class Transformer(nn.Module):
 
     @property
     def invariant_steps(self) -> bool:
-        """Decoding steps run batch-invariant (invariance.py): on the CPU, where that is verified at load."""
-        return self.device.type == "cpu"
+        """Decoding steps run batch-invariant attention (invariance.py): on the CPU, where that is verified at
+        load, unless `batch_invariant` was switched off (stock kernels, for kernel benchmarks)."""
+        return self.batch_invariant and self.device.type == "cpu"
 
     def setup_rope(self) -> None:
         """(Re)build the rotary tables on the weights' device and dtype; call after moving the model."""
