@@ -44,6 +44,14 @@ def step_visibility(mask: torch.Tensor | None, past: int, T: int, device: torch.
     return torch.cat([torch.ones(T, past, dtype=torch.bool, device=device), mask.to(device)], dim=1)
 
 
+def in_window(positions: torch.Tensor, past: int, window: int) -> torch.Tensor:
+    """(T, past + T) bool: True where a key lies inside the sliding window of the row at positions (T,), that is
+    its position is > row - window. The committed cache holds positions 0..past-1 in order; the step's keys sit at
+    the rows' own positions. Causality is step_visibility's business, not this mask's."""
+    keys = torch.cat([torch.arange(past, device=positions.device), positions])
+    return keys[None, :] > positions[:, None] - window
+
+
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
     """Attention computes reduced-precision inputs in float32."""
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
@@ -54,9 +62,12 @@ class KeyLayout:
     """What every layer's attention in one step shares: which keys each row sees and which chunk each falls in.
 
     Rows are the step's T query rows for each of the G query heads of a key head, G*T, padded to `rows`; keys are
-    the cache and the step, S = past + T, padded to `keys`. hidden: (rows, keys) bool. Chunks of `chunk` keys made
-    only of committed keys (the first n_shared) are seen by every row; tail_select: (n_tail, rows, keys - L0) is 1
-    where a row sees a key of the tail [L0, keys) that falls in its tail chunk j, L0 = n_shared * chunk.
+    the cache and the step, S = past + T, padded to `keys`. hidden: (rows, keys) bool. A row counts the keys of its
+    own sequence (the committed cache and the step rows its mask allows), in slot order; the k-th falls in chunk
+    k // chunk. It sees those a sliding window leaves (all, without one): a counted key it does not see weighs 0 in
+    its chunk, so the chunks are the same in a wide step and in a one-row step at the row's position. Chunks made
+    only of committed keys (the first n_shared) are counted by every row; tail_select: (n_tail, rows, keys - L0)
+    is 1 where a row sees a key of the tail [L0, keys) that falls in its tail chunk j, L0 = n_shared * chunk.
     """
 
     past: int
@@ -69,15 +80,22 @@ class KeyLayout:
     tail_select: torch.Tensor
 
 
-def key_layout(visible: torch.Tensor, past: int, G: int, dtype: torch.dtype, chunk: int = KEY_CHUNK) -> KeyLayout:
-    """visible: (T, past + T) bool (step_visibility); G query heads per key head; dtype: the model's."""
+def key_layout(visible: torch.Tensor, past: int, G: int, dtype: torch.dtype, chunk: int = KEY_CHUNK,
+               counted: torch.Tensor | None = None) -> KeyLayout:
+    """visible: (T, past + T) bool, the keys each row sees; counted: the keys each row counts (step_visibility
+    without the sliding window; None: visible); G query heads per key head; dtype: the model's."""
     T, S = visible.shape
     R, Sp = round_up(G * T, ROW_TILE), round_up(S, COL_TILE)
-    seen = visible.repeat(G, 1)
-    seen = F.pad(torch.cat([seen, seen[:1].expand(R - G * T, S)]), (0, Sp - S))  # padding rows copy row 0
+
+    def per_row(keys: torch.Tensor) -> torch.Tensor:  # (R, Sp): G copies of each row, padding rows copy row 0
+        keys = keys.repeat(G, 1)
+        return F.pad(torch.cat([keys, keys[:1].expand(R - G * T, S)]), (0, Sp - S))
+
+    seen = per_row(visible)
     n_shared = past // chunk
     tail_seen = seen[:, n_shared * chunk:]
-    tail_chunk = (tail_seen.cumsum(-1) - 1).div_(chunk, rounding_mode="floor").masked_fill_(~tail_seen, -1)
+    tail_counted = tail_seen if counted is None else per_row(counted)[:, n_shared * chunk:]
+    tail_chunk = (tail_counted.cumsum(-1) - 1).div_(chunk, rounding_mode="floor").masked_fill_(~tail_seen, -1)
     n_tail = int(tail_chunk.max()) + 1
     select = tail_chunk == torch.arange(n_tail, device=visible.device)[:, None, None]
     return KeyLayout(past, T, R, Sp, n_shared, chunk, ~seen, select.to(work_dtype(dtype)))

@@ -109,7 +109,7 @@ def test_gguf_matches_transformers_gguf_loader(name: str, qtype: QType, tiny_ggu
 def test_gguf_biases_and_rope_freqs(tmp_path: Path, tiny_llama: TinyLlama, gguf_tensors: GGUFTensors,
                                     write_gguf: WriteGGUF, canonical_state: StateOf) -> None:
     """Q/K biases are permuted by the converter too; rope_freqs feeds config.rope_freq_factors. (transformers'
-    GGUF loader reads no attention_bias from LLaMA GGUF metadata, so this is checked against the HF model only.)"""
+    GGUF loader reads no bias flags from LLaMA GGUF metadata, so this is checked against the HF model only.)"""
     model = tiny_llama("gqa-bias")
     tensors = gguf_tensors(model, QType.F32)
     head_dim = model.config.hidden_size // model.config.num_attention_heads
@@ -118,7 +118,7 @@ def test_gguf_biases_and_rope_freqs(tmp_path: Path, tiny_llama: TinyLlama, gguf_
     path = write_gguf(tmp_path / "bias.gguf", model.config, tensors)
 
     checkpoint = open_checkpoint(path, progress=False)
-    assert checkpoint.config.attention_bias and checkpoint.config.mlp_bias
+    assert checkpoint.config.qkv_bias and checkpoint.config.o_bias and checkpoint.config.mlp_bias
     assert checkpoint.config.rope_freq_factors == tuple(factors.tolist())
     ours = dict(checkpoint.tensors())
     reference = canonical_state(model)
@@ -339,8 +339,9 @@ def test_not_a_gguf_file(tmp_path: Path, assert_one_line_error: OneLineError) ->
 
 
 def test_unsupported_gguf_architecture(tiny_gguf: TinyGGUF, assert_one_line_error: OneLineError) -> None:
-    _, path = tiny_gguf("mha-untied", QType.F32, arch="qwen2")
-    assert_one_line_error(lambda: open_checkpoint(path), str(path), "unsupported GGUF architecture 'qwen2'",
+    _, path = tiny_gguf("mha-untied", QType.F32, arch="gemma")
+    assert_one_line_error(lambda: open_checkpoint(path), str(path), "unsupported GGUF architecture 'gemma'",
+                          "'llama', 'qwen2'",
                           kind=UnsupportedCheckpointError)
 
 
@@ -348,11 +349,11 @@ def test_unsupported_gguf_tensor_type(tmp_path: Path, tiny_llama: TinyLlama, ggu
                                       write_gguf: WriteGGUF, assert_one_line_error: OneLineError) -> None:
     model = tiny_llama("mha-untied")
     tensors = gguf_tensors(model, QType.Q8_0)
-    block_size, type_size = gguf.GGML_QUANT_SIZES[QType.IQ4_NL]  # dequantisable by gguf, but not supported here
-    tensors["blk.0.ffn_up.weight"] = (np.zeros((96, 64 // block_size * type_size), dtype=np.uint8), QType.IQ4_NL)
-    path = write_gguf(tmp_path / "iq4.gguf", model.config, tensors)
-    assert_one_line_error(lambda: open_checkpoint(path), str(path), "tensor blk.0.ffn_up.weight has type IQ4_NL",
-                          kind=UnsupportedCheckpointError)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[QType.Q8_1]  # llama.cpp's activation type; no weight uses it
+    tensors["blk.0.ffn_up.weight"] = (np.zeros((96, 64 // block_size * type_size), dtype=np.uint8), QType.Q8_1)
+    path = write_gguf(tmp_path / "q8_1.gguf", model.config, tensors)
+    assert_one_line_error(lambda: open_checkpoint(path), str(path), "tensor blk.0.ffn_up.weight has type Q8_1",
+                          "supported: F32, F16, Q4_0", "IQ4_XS", kind=UnsupportedCheckpointError)
 
 
 def test_missing_and_misshapen_gguf_tensors(tmp_path: Path, tiny_llama: TinyLlama, gguf_tensors: GGUFTensors,
