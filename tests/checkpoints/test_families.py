@@ -9,6 +9,7 @@ its quantisation's error of the safetensors copy.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -201,3 +202,50 @@ def test_qwen2_gguf_rows_are_not_unpermuted(tmp_path: Path, gguf_tensors: Callab
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.bias"):
         assert torch.equal(rows["llama"][name], rows["qwen2"][name]), name
         assert np.array_equal(rows["qwen2"][name].numpy(), hf.state_dict()[name].numpy()), name
+
+
+def llama_cpp_rope_factors(theta: float, head_dim: int, factor: float, low: float, high: float, context: int
+                           ) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors for rope_type llama3: one divisor per frequency."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < context / high:
+            factors.append(1.0)
+        elif wavelen > context / low:
+            factors.append(factor)
+        else:
+            smooth = (context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_llama3_gguf_rope_freqs_give_transformers_logits(tmp_path: Path, gguf_tensors: Callable[..., Any],
+                                                         write_gguf: Callable[..., Path]) -> None:
+    """A Llama 3.1-style model (llama3 rope scaling, original context 32 so that 100 positions feel it) as
+    llama.cpp stores it: no scaling keys, a rope_freqs tensor instead. Its logits are transformers' up to the
+    rounding of the factors (float32 division instead of HF's blend)."""
+    rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=32)
+    config = transformers.LlamaConfig(**BASE, rope_theta=500000.0, rope_scaling=rope)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).double().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3)
+    tensors = gguf_tensors(hf, QType.F32)
+    factors = llama_cpp_rope_factors(500000.0, 16, 8.0, 1.0, 4.0, 32)
+    tensors["rope_freqs.weight"] = (factors, None)
+    checkpoint = open_checkpoint(write_gguf(tmp_path / "llama3.gguf", hf.config, tensors), progress=False)
+    assert checkpoint.config.rope_scaling.kind == "default" and checkpoint.config.rope_freq_factors is not None
+    ours = build_model(checkpoint.config, checkpoint.tensors(), dtype=torch.float64, device="cpu")
+    plain = build_model(checkpoint.config.replace(rope_freq_factors=None), checkpoint.tensors(),
+                        dtype=torch.float64, device="cpu")
+    tokens = torch.randint(0, 24, (1, 100), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = hf(tokens).logits
+        got, unscaled = (m(tokens, torch.arange(100), m.new_cache(100)) for m in (ours, plain))
+    error = float((got - want).abs().max() / want.abs().max())
+    assert error < 1e-5, error
+    assert float((unscaled - want).abs().max() / want.abs().max()) > 100 * error  # the factors do matter
