@@ -123,8 +123,8 @@ CORPUS = SMOLLM2_TEXTS + [
 ]
 
 
-def trained_byte_level(pre: str) -> tokenizers.Tokenizer:
-    """A byte-level BPE vocabulary of about 700 tokens trained under the pre-tokenizer `pre`, plus SPECIALS."""
+def trained_byte_level(pre: str, specials: list[str] = SPECIALS) -> tokenizers.Tokenizer:
+    """A byte-level BPE vocabulary of about 700 tokens trained under the pre-tokenizer `pre`, plus `specials`."""
     from tokenizers import Regex, decoders, models, normalizers, trainers
 
     regex, ignore_merges, nfc = REFERENCE_SPLITS[pre]
@@ -137,12 +137,14 @@ def trained_byte_level(pre: str) -> tokenizers.Tokenizer:
     trainer = trainers.BpeTrainer(vocab_size=700, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(CORPUS * 20, trainer)
-    tok.add_special_tokens(SPECIALS)
+    tok.add_special_tokens(specials)
     return tok
 
 
-def gguf_of(tok: tokenizers.Tokenizer, path: Path, pre: str) -> Path:
-    """The vocabulary as llama.cpp's converter writes it: tokens by id, merges, CONTROL for special tokens."""
+def gguf_of(tok: tokenizers.Tokenizer, path: Path, pre: str, specials: list[str] = SPECIALS, **fields: object
+            ) -> Path:
+    """The vocabulary as llama.cpp's converter writes it: tokens by id, merges, CONTROL for special tokens (the
+    first is BOS, the second EOS)."""
     import json
 
     import gguf
@@ -150,10 +152,10 @@ def gguf_of(tok: tokenizers.Tokenizer, path: Path, pre: str) -> Path:
     vocab = tok.get_vocab(with_added_tokens=True)
     tokens = sorted(vocab, key=vocab.get)
     merges = [m if isinstance(m, str) else " ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
-    types = [gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in tokens]
+    types = [gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens]
     return write_gguf(path, len(tokens), tokenizer_model="gpt2", tokenizer_pre=pre, token_list=tokens,
-                      token_types=types, token_merges=merges, bos_token_id=vocab[SPECIALS[0]],
-                      eos_token_id=vocab[SPECIALS[1]])
+                      token_types=types, token_merges=merges, bos_token_id=vocab[specials[0]],
+                      eos_token_id=vocab[specials[1]], **fields)
 
 
 @pytest.mark.parametrize("pre", list(REFERENCE_SPLITS))
@@ -169,6 +171,43 @@ def test_trained_byte_level_vocabulary_matches_tokenizers(pre: str, tmp_path: Pa
         assert ids == reference.encode(text, add_special_tokens=False).ids, text
         assert tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=False), text
     assert tokenizer.add_bos == (pre == "llama-bpe")  # llama.cpp's default for each
+
+
+# Qwen2.5-Instruct's chat template without its tool-call branches: a default system prompt, ChatML turns.
+QWEN25_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_qwen2_gguf_chat_matches_transformers(tmp_path: Path) -> None:
+    """A Qwen2 GGUF ('qwen2' vocabulary, ChatML template, <|im_end|> as EOS, no BOS) renders and encodes chats as
+    transformers does with the same vocabulary and template."""
+    from transformers import PreTrainedTokenizerFast
+
+    from .conftest import CONVERSATIONS
+
+    specials = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
+    reference = trained_byte_level("qwen2", specials)
+    path = gguf_of(reference, tmp_path / "qwen2.gguf", "qwen2", specials, chat_template=QWEN25_TEMPLATE,
+                   add_bos_token=False)
+    ours = Tokenizer.from_checkpoint(path)
+    theirs = PreTrainedTokenizerFast(tokenizer_object=reference, chat_template=QWEN25_TEMPLATE)
+    assert not ours.add_bos and ours.eos_ids == (reference.token_to_id("<|im_end|>"),)
+    for messages in CONVERSATIONS:
+        text = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ours.render_chat(messages) == text
+        assert ours.encode_chat(messages) == reference.encode(text, add_special_tokens=False).ids
 
 
 # ---------------------------------------------------------------------------------------------------------------
