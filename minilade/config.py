@@ -69,9 +69,12 @@ def _is_positive_number(value: Any) -> bool:
             and value > 0)
 
 
+ROPE_KINDS = ("default", "linear", "llama3")  # rotary scalings model.rope_inv_freq computes
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary-frequency scaling. kind: "default", "linear" or "llama3"."""
+    """Rotary-frequency scaling. kind: one of ROPE_KINDS."""
 
     kind: str = "default"
     factor: float = 1.0
@@ -80,9 +83,9 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self) -> None:
-        if self.kind not in ("default", "linear", "llama3"):
-            raise UnsupportedModelError(f"unsupported rope scaling type {self.kind!r}; minilade supports linear "
-                                        f"and llama3")
+        if self.kind not in ROPE_KINDS:
+            raise UnsupportedModelError(f"unsupported rope scaling type {self.kind!r}; minilade supports "
+                                        f"{', '.join(ROPE_KINDS)}")
         names = [f.name for f in dataclasses.fields(self) if f.name != "kind"]
         check_values({name: getattr(self, name) for name in names}, {name: f"rope scaling {name}" for name in names})
 

@@ -24,18 +24,19 @@ class Family:
     # Bias flags the family always has (ModelConfig field -> value); None: read from config.json's
     # attention_bias (q, k, v and o together) and mlp_bias.
     fixed_biases: Mapping[str, bool] | None
-    tested: str  # how tests/families/ checks it
+    tested: str  # what the tests check for this family beyond what they check for every family
 
 
+# What the tests check for every family is support.TESTED_FOR_EACH.
 FAMILIES: tuple[Family, ...] = (
     Family("Llama 1/2/3.x, TinyLlama, SmolLM", "llama", "llama", True, None,
-           "transformers' LlamaForCausalLM (float64 logits, prefill and lookahead step); GGUF F32..Q2_K; "
-           "SentencePiece and llama-bpe GGUF vocabularies against sentencepiece/tokenizers; real SmolLM2 Q4_1"),
+           "Llama 3.1 rope_freqs GGUF; SentencePiece (Llama 2) and llama-bpe (Llama 3) GGUF vocabularies against "
+           "sentencepiece/tokenizers; the real SmolLM2-135M Q4_1 GGUF"),
     Family("Mistral (sliding window)", "mistral", "llama", True, None,
-           "transformers' MistralForCausalLM with a window shorter than the text (float64 logits, prefill and "
-           "lookahead step); GGUF with llama.attention.sliding_window"),
+           "a window (5) shorter than the text and than a lookahead step; GGUF with llama.attention.sliding_window"),
     Family("Qwen2 / Qwen2.5", "qwen2", "qwen2", False, {"qkv_bias": True, "o_bias": False, "mlp_bias": False},
-           "transformers' Qwen2ForCausalLM (float64 logits, prefill and lookahead step); GGUF 'qwen2' files"),
+           "tied and untied head; 'qwen2' GGUF rows left as stored; its vocabulary and ChatML template against "
+           "tokenizers/transformers"),
 )
 MODEL_TYPES = tuple(f.model_type for f in FAMILIES)
 GGUF_ARCHS = tuple(dict.fromkeys(f.gguf_arch for f in FAMILIES))

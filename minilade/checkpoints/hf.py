@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..config import ModelConfig, RopeScaling, check_values
+from ..config import ROPE_KINDS, ModelConfig, RopeScaling, check_values
 from ..errors import (
     CheckpointError,
     UnsupportedCheckpointError,
@@ -191,7 +191,8 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[Any, RopeScaling]:
             high_freq_factor=merged.get("high_freq_factor", 4.0),
             original_max_position_embeddings=merged.get("original_max_position_embeddings", 8192),
         )
-    raise UnsupportedModelError(f"unsupported rope scaling type {kind!r:.60}; minilade supports linear and llama3")
+    raise UnsupportedModelError(f"unsupported rope scaling type {kind!r:.60}; minilade supports "
+                                f"{', '.join(ROPE_KINDS)}")
 
 
 def _object(cfg: Mapping[str, Any], key: str) -> dict[str, Any]:

@@ -187,6 +187,7 @@ _BYTE_LEVEL_SPLITS: Mapping[str, _ByteLevelSplit] = MappingProxyType({
     "llama-v3": _ByteLevelSplit(_llama3_words, ignore_merges=True, add_bos=True),
     "qwen2": _ByteLevelSplit(_qwen2_words, ignore_merges=False, add_bos=False),
 })
+PRE_TOKENIZERS = tuple(sorted(_BYTE_LEVEL_SPLITS))  # the tokenizer.ggml.pre values minilade reads
 # Pre-tokenizers whose tokenizer.json normalises text to NFC first (Qwen2's does; the model never saw other forms).
 _NFC_FIRST = frozenset({"qwen2"})
 
@@ -196,7 +197,7 @@ def _byte_level_bpe(vocab: _GgufVocab, pre: str, path: Path) -> tuple[tokenizers
     split = _BYTE_LEVEL_SPLITS.get(pre)
     if split is None:
         raise TokenizerError(f"{path}: unsupported GGUF pre-tokenizer {pre!r} "
-                             f"(minilade knows {', '.join(sorted(_BYTE_LEVEL_SPLITS))})")
+                             f"(minilade knows {', '.join(PRE_TOKENIZERS)})")
     if not vocab.merges:
         raise TokenizerError(f"{path}: byte-level vocabulary without merges ({_KEY.MERGES})")
     # Added tokens keep their text (they are matched in raw text); a normal token stored as plain text rather
