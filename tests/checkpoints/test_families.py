@@ -249,3 +249,27 @@ def test_llama3_gguf_rope_freqs_give_transformers_logits(tmp_path: Path, gguf_te
     error = float((got - want).abs().max() / want.abs().max())
     assert error < 1e-5, error
     assert float((unscaled - want).abs().max() / want.abs().max()) > 100 * error  # the factors do matter
+
+
+@pytest.mark.parametrize("variant", ["mistral-window", "qwen2-tied"])
+def test_from_transformers_equals_loading_the_same_weights_from_disk(variant: str, tmp_path: Path) -> None:
+    """LLM.from_transformers reads the family from the loaded model's config as the loader reads config.json."""
+    from minilade import LLM
+
+    from ..helpers import write_tiny_checkpoint
+
+    folder = write_tiny_checkpoint(tmp_path, "the cat sat on the mat and the dog sat on the log", max_positions=128)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    config_class, model_class, _, options = VARIANTS[variant]
+    torch.manual_seed(0)
+    hf = model_class(config_class(**{**BASE, "vocab_size": len(tokenizer)}, **options)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3)
+    hf.save_pretrained(folder)
+    bridged = LLM.from_transformers(hf, tokenizer)
+    from_disk = LLM.load(folder, dtype="float32", device="cpu", progress=False)
+    assert bridged.model.config == from_disk.model.config
+    want = from_disk.generate("the cat sat", max_new_tokens=24, strategy=Lookahead(3, 3, 2))
+    got = bridged.generate("the cat sat", max_new_tokens=24, strategy=Lookahead(3, 3, 2))
+    assert got.token_ids == want.token_ids
