@@ -22,9 +22,9 @@ MAX_CONTEXT = 1 << 21
 _INT_BOUNDS: dict[str, tuple[int, int]] = {
     "vocab_size": (1, 1 << 24), "dim": (1, 1 << 18), "n_layers": (1, 1 << 10), "n_heads": (1, 1 << 12),
     "n_kv_heads": (1, 1 << 12), "intermediate_size": (1, 1 << 20), "head_dim": (0, 1 << 14),
-    "max_seq_len": (1, MAX_CONTEXT),
+    "max_seq_len": (1, MAX_CONTEXT), "sliding_window": (0, MAX_CONTEXT),
 }
-_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+_FLAGS = ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias")
 
 
 def value_problem(name: str, value: Any) -> str | None:
@@ -69,9 +69,12 @@ def _is_positive_number(value: Any) -> bool:
             and value > 0)
 
 
+ROPE_KINDS = ("default", "linear", "llama3")  # rotary scalings model.rope_inv_freq computes
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary-frequency scaling. kind: "default", "linear" or "llama3"."""
+    """Rotary-frequency scaling. kind: one of ROPE_KINDS."""
 
     kind: str = "default"
     factor: float = 1.0
@@ -80,9 +83,9 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self) -> None:
-        if self.kind not in ("default", "linear", "llama3"):
-            raise UnsupportedModelError(f"unsupported rope scaling type {self.kind!r}; minilade supports linear "
-                                        f"and llama3")
+        if self.kind not in ROPE_KINDS:
+            raise UnsupportedModelError(f"unsupported rope scaling type {self.kind!r}; minilade supports "
+                                        f"{', '.join(ROPE_KINDS)}")
         names = [f.name for f in dataclasses.fields(self) if f.name != "kind"]
         check_values({name: getattr(self, name) for name in names}, {name: f"rope scaling {name}" for name in names})
 
@@ -92,7 +95,10 @@ class ModelConfig:
     """A LLaMA model's shapes and options. Invariants, checked on construction (UnsupportedModelError otherwise):
     every value has its type and lies in its bounds (value_problem; max_seq_len <= MAX_CONTEXT), n_heads is a
     multiple of n_kv_heads (grouped-query attention) and head_dim is even (rotary pairs); head_dim 0 means
-    dim // n_heads. Readers of files call check_values first, so that their errors name the file's key."""
+    dim // n_heads. Readers of files call check_values first, so that their errors name the file's key.
+    Biases: LLaMA with attention_bias has them on q, k, v and o (qkv_bias and o_bias); Qwen2 on q, k, v only.
+    sliding_window: 0 for full attention, else a row at position p sees only keys at positions > p - window
+    (Mistral's convention, as transformers': kv > q - window)."""
 
     vocab_size: int
     dim: int
@@ -108,8 +114,10 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     max_seq_len: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
     mlp_bias: bool = False
+    sliding_window: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 

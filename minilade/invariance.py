@@ -44,6 +44,14 @@ def step_visibility(mask: torch.Tensor | None, past: int, T: int, device: torch.
     return torch.cat([torch.ones(T, past, dtype=torch.bool, device=device), mask.to(device)], dim=1)
 
 
+def in_window(positions: torch.Tensor, past: int, window: int) -> torch.Tensor:
+    """(T, past + T) bool: True where a key lies inside the sliding window of the row at positions (T,), that is
+    its position is > row - window. The committed cache holds positions 0..past-1 in order; the step's keys sit at
+    the rows' own positions. Causality is step_visibility's business, not this mask's."""
+    keys = torch.cat([torch.arange(past, device=positions.device), positions])
+    return keys[None, :] > positions[:, None] - window
+
+
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
     """Attention computes reduced-precision inputs in float32."""
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
@@ -54,11 +62,14 @@ class KeyLayout:
     """What every layer's attention in one step shares: which keys each row sees and which chunk each falls in.
 
     Rows are the step's T query rows for each of the G query heads of a key head, G*T, padded to `rows`; keys are
-    the cache and the step, S = past + T, padded to `keys`. hidden: (rows, keys) bool. The first n_shared chunks
-    of `chunk` keys are cut by slot: a row sees either all of a shared chunk's keys or, past its own end, none.
-    tail_select: None when every row sees a prefix of the slots (a causal step: slot order is visible order, every
-    chunk is shared); else (n_tail, rows, keys - L0), 1 where a row sees a key of the tail [L0, keys) that is in
-    its tail chunk j counted over the keys it sees, L0 = n_shared * chunk (a lookahead step, whose rows skip keys).
+    the cache and the step, S = past + T, padded to `keys`. hidden: (rows, keys) bool. A row counts the keys of its
+    own sequence (the committed cache and the step rows its mask allows), in slot order; the k-th falls in chunk
+    k // chunk. It sees those a sliding window leaves (all, without one): a counted key it does not see weighs 0 in
+    its chunk, so the chunks are the same in a wide step and in a one-row step at the row's position. The first
+    n_shared chunks are cut by slot: a row counts either all of a shared chunk's keys or, past its own end, none.
+    tail_select: None when every row counts a prefix of the slots (a causal step: slot order is counting order,
+    every chunk is shared); else (n_tail, rows, keys - L0), 1 where a row sees a key of the tail [L0, keys) that
+    falls in its tail chunk j, L0 = n_shared * chunk (a lookahead step, whose rows skip keys).
     """
 
     past: int
@@ -71,23 +82,30 @@ class KeyLayout:
     tail_select: torch.Tensor | None
 
 
-def sees_a_prefix(visible: torch.Tensor) -> bool:
-    """visible: (T, S) bool. True when every row sees slots [0, n) for some n: no hidden key before a visible one."""
-    return bool(visible[:, 0].all()) and not bool((visible[:, 1:] & ~visible[:, :-1]).any())
+def sees_a_prefix(keys: torch.Tensor) -> bool:
+    """keys: (T, S) bool. True when every row has slots [0, n) for some n: no False before a True."""
+    return bool(keys[:, 0].all()) and not bool((keys[:, 1:] & ~keys[:, :-1]).any())
 
 
-def key_layout(visible: torch.Tensor, past: int, G: int, dtype: torch.dtype, chunk: int = KEY_CHUNK) -> KeyLayout:
-    """visible: (T, past + T) bool (step_visibility); G query heads per key head; dtype: the model's."""
+def key_layout(visible: torch.Tensor, past: int, G: int, dtype: torch.dtype, chunk: int = KEY_CHUNK,
+               counted: torch.Tensor | None = None) -> KeyLayout:
+    """visible: (T, past + T) bool, the keys each row sees; counted: the keys each row counts (step_visibility
+    without the sliding window; None: visible); G query heads per key head; dtype: the model's."""
     T, S = visible.shape
-    prefix = sees_a_prefix(visible)
+    prefix = sees_a_prefix(visible if counted is None else counted)
     R, Sp = round_up(G * T, ROW_TILE), round_up(S, chunk if prefix else COL_TILE)
-    seen = visible.repeat(G, 1)
-    seen = F.pad(torch.cat([seen, seen[:1].expand(R - G * T, S)]), (0, Sp - S))  # padding rows copy row 0
+
+    def per_row(keys: torch.Tensor) -> torch.Tensor:  # (R, Sp): G copies of each row, padding rows copy row 0
+        keys = keys.repeat(G, 1)
+        return F.pad(torch.cat([keys, keys[:1].expand(R - G * T, S)]), (0, Sp - S))
+
+    seen = per_row(visible)
     if prefix:
         return KeyLayout(past, T, R, Sp, Sp // chunk, chunk, ~seen, None)
     n_shared = past // chunk
     tail_seen = seen[:, n_shared * chunk:]
-    tail_chunk = (tail_seen.cumsum(-1) - 1).div_(chunk, rounding_mode="floor").masked_fill_(~tail_seen, -1)
+    tail_counted = tail_seen if counted is None else per_row(counted)[:, n_shared * chunk:]
+    tail_chunk = (tail_counted.cumsum(-1) - 1).div_(chunk, rounding_mode="floor").masked_fill_(~tail_seen, -1)
     n_tail = int(tail_chunk.max()) + 1
     select = tail_chunk == torch.arange(n_tail, device=visible.device)[:, None, None]
     return KeyLayout(past, T, R, Sp, n_shared, chunk, ~seen, select.to(work_dtype(dtype)))
@@ -115,11 +133,11 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     and then the step's rows, past + T slots, then slots the layout hides (finite), values with their column of
     ones (pad_keys_values, or a padded KVCache's views). Returns (B, H, T, D) in q's dtype.
 
-    Row r's visible keys, in slot order, are numbered 0, 1, ...; in a causal or lookahead step that is position
-    order, the same sequence a one-row step at r's position sees. Key k falls in chunk k // chunk. Scores use the
-    row's exact maximum; each chunk's weighted sum of values (and of weights: a column of ones) is one matmul in
-    which hidden keys weigh exactly 0; the chunk sums are then added in order by one sequential scan. Shared
-    chunks (cut by slot) are computed together by one batched matmul; each tail chunk by one matmul over the
+    Row r's counted keys (see KeyLayout), in slot order, are numbered 0, 1, ...; in a causal or lookahead step that
+    is position order, the same sequence a one-row step at r's position sees. Key k falls in chunk k // chunk.
+    Scores use the row's exact maximum; each chunk's weighted sum of values (and of weights: a column of ones) is
+    one matmul in which hidden keys weigh exactly 0; the chunk sums are then added in order by one sequential scan.
+    Shared chunks (cut by slot) are computed together by one batched matmul; each tail chunk by one matmul over the
     whole tail, the keys of other chunks zeroed.
     """
     B, H, T, D = q.shape

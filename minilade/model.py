@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .invariance import KeyLayout, invariant_attention, key_layout, step_visibility, work_dtype
+from .invariance import KeyLayout, in_window, invariant_attention, key_layout, step_visibility, work_dtype
 from .kv_cache import KVCache
 
 
@@ -62,8 +62,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         qkv_dim = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
-        self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.attention_bias)
-        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.attention_bias)
+        self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.qkv_bias)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -183,7 +183,7 @@ class Transformer(nn.Module):
         if input_pos.dim() == 1:
             input_pos = input_pos.unsqueeze(0)
         cos, sin = self.rope_cos[input_pos].unsqueeze(2), self.rope_sin[input_pos].unsqueeze(2)  # (B|1, T, 1, D)
-        attn_mask = self.attention_mask(mask, cache.length, T)
+        attn_mask = self.attention_mask(mask, cache.length, T, input_pos)
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, attn_mask)
@@ -191,18 +191,43 @@ class Transformer(nn.Module):
             x = x[:, logits_rows]
         return self.output(self.norm(x))
 
-    def attention_mask(self, mask: torch.Tensor | None, past: int, T: int) -> KeyLayout | torch.Tensor | None:
+    def attention_mask(self, mask: torch.Tensor | None, past: int, T: int, input_pos: torch.Tensor | None = None
+                       ) -> KeyLayout | torch.Tensor | None:
         """What attention needs from a step mask (T, T) (None: causal). A decoding step on the CPU gets a KeyLayout,
         so that each row's result is independent of the step's shape. The prefill may use SDPA (lookahead and plain
-        decoding read the same prompt K/V), and so does CUDA, where the invariant path is not verified."""
+        decoding read the same prompt K/V), and so does CUDA, where the invariant path is not verified.
+        input_pos: (T,) or (B, T) the rows' rotary positions (the same for every sequence of the batch), needed
+        with a sliding window: a key more than `sliding_window` positions older than a row is hidden from it.
+        Committed cache slot i holds position i."""
+        window = self._window(past, T, input_pos)
         if past:
-            visible = step_visibility(mask, past, T, self.device)
+            reach = step_visibility(mask, past, T, self.device)
+            visible = reach if window is None else reach & window
             if not self.invariant_steps:
                 return visible
-            return key_layout(visible, past, self.config.n_heads // self.config.n_kv_heads, self.dtype)
+            return key_layout(visible, past, self.config.n_heads // self.config.n_kv_heads, self.dtype,
+                              counted=None if window is None else reach)
         if mask is not None and mask.shape != (T, T):
             raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({T}, {T}) for {T} tokens")
-        return mask
+        if window is None:
+            return mask
+        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril_() if mask is None else mask
+        return causal & window
+
+    def _window(self, past: int, T: int, input_pos: torch.Tensor | None) -> torch.Tensor | None:
+        """(T, past + T) bool, True where a key is inside each row's sliding window; None when the model has no
+        window or it hides nothing in this step."""
+        size = self.config.sliding_window
+        if not size:
+            return None
+        if input_pos is None:
+            raise ValueError("a model with a sliding window needs the rows' positions to build its mask")
+        if int(input_pos.max()) < size:  # every key is at position >= 0 > row - size
+            return None
+        positions = input_pos.reshape(-1, T)
+        if positions.shape[0] > 1 and not bool((positions == positions[:1]).all()):
+            raise ValueError("with a sliding window, every sequence of the batch must use the same positions")
+        return in_window(positions[0], past, size)
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> "Transformer":
         """Random weights (for tests and benchmarks), reproducible from the seed."""

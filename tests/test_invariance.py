@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minilade.config import ModelConfig
 from minilade.decoding import Autoregressive
 from minilade.decoding.lookahead import Lookahead
 from minilade.device import Invariance, check_invariance, make_invariant
@@ -18,6 +19,7 @@ from minilade.invariance import (
     tiled_matmul,
 )
 from minilade.masks import interleaved_step
+from minilade.model import Transformer
 
 from .helpers import run_tokens, tiny_model
 
@@ -137,4 +139,21 @@ def test_greedy_lookahead_equals_autoregressive_in_bfloat16(settings) -> None:
         expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=60)
         got, run = run_tokens(model, prompt, Lookahead(*settings), max_new_tokens=60)
         assert got == expected
+        assert run.stats.compression > 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sliding_window_rows_are_invariant(dtype: torch.dtype) -> None:
+    """A window (7) shorter than the contexts and the steps: a row still counts the keys older than its window,
+    weighing them 0, so its chunks are those of a one-row step at its position; lookahead stays exact."""
+    config = ModelConfig.preset("tiny-gqa").replace(vocab_size=12, sliding_window=7)
+    model = Transformer(config).init_random(seed=2, std=0.3).to(dtype).eval()
+    assert make_invariant(model).exact
+    for contexts, width, lanes in [((1, 63, 64), 8, 2), ((5, 130), 40, 8), ((70,), 64, 3)]:
+        assert check_invariance(model, contexts, width, lanes), (contexts, width, lanes)
+    prompt = [1, 2, 3, 1, 2, 3, 4]
+    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=90)
+    for settings in [(4, 4, 4), (7, 5, 7)]:
+        got, run = run_tokens(model, prompt, Lookahead(*settings), max_new_tokens=90)
+        assert got == expected, settings
         assert run.stats.compression > 1.0

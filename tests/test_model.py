@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from minilade.checkpoints import build_model, open_checkpoint
+from minilade.model import Transformer
 
 from .helpers import tiny_model
 
@@ -107,3 +108,29 @@ def test_bfloat16_forward_close_to_float32() -> None:
         got = low(tokens, torch.arange(16), low.new_cache(16))
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref, rtol=0.05, atol=0.05)
+
+
+def test_sliding_window_hides_keys_older_than_the_window() -> None:
+    """With window w and 2 layers, position q depends only on tokens at positions > q - 2(w - 1): changing the
+    first token must leave every later position's logits untouched, in the prefill and in cached decoding steps,
+    and change those within reach (else the window hid more than it should)."""
+    w = 5
+    config = tiny_model(vocab=50).config.replace(sliding_window=w)
+    model = Transformer(config).init_random(seed=1, std=0.3).double().eval()
+    tokens = torch.randint(0, 50, (1, 30), generator=torch.Generator().manual_seed(4))
+    other = tokens.clone()
+    other[0, 0] = (tokens[0, 0] + 1) % 50
+    reach = 2 * (w - 1)
+    with torch.no_grad():
+        runs = []
+        for seq in (tokens, other):
+            cache = model.new_cache(32)
+            prefill = model(seq[:, :20], torch.arange(20), cache)[0]
+            cache.commit(20)
+            steps = []
+            for pos in range(20, 30):
+                steps.append(model(seq[:, pos:pos + 1], torch.tensor([pos]), cache)[0, 0])
+                cache.commit(1)
+            runs.append(torch.cat([prefill, torch.stack(steps)]))
+    assert torch.equal(runs[0][reach + 1:], runs[1][reach + 1:])
+    assert not torch.equal(runs[0][reach], runs[1][reach])

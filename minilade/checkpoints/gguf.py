@@ -6,9 +6,11 @@ Facts this module relies on (gguf-py's gguf_reader.py and quants.py, llama.cpp's
 - GGUF lists dimensions innermost first (ne0 = row length), so an HF (out, in) matrix is stored as [in, out].
   `GGUFReader` exposes each tensor's data in numpy order, (out, in) -- quantised types as (out, bytes per row) --
   and `gguf.quants.dequantize` turns quantised rows back into float32 (out, in). No transpose is ever needed.
-- llama.cpp's converter reorders the rows of attn_q and attn_k (weights and biases) inside every head, from HF's
-  rotate-half layout to the interleaved pairs its RoPE kernel expects; `unpermute_rotary` undoes that for the
-  rows names.TABLE marks with rotary_heads.
+- llama.cpp's converter reorders the rows of attn_q and attn_k (weights and biases) inside every head of a
+  'llama' file, from HF's rotate-half layout to the interleaved pairs its RoPE kernel expects; `unpermute_rotary`
+  undoes that for the rows names.TABLE marks with rotary_heads. 'qwen2' files keep HF's rows (families.py).
+- Metadata keys start with the architecture ("llama.block_count", "qwen2.block_count"). Mistral files are 'llama'
+  files; a sliding window is applied when the file states {arch}.attention.sliding_window.
 - Some facts are not in the metadata but in the tensor list: a file without output.weight ties the output head
   to token_embd, attention/MLP biases exist when their tensors do, and rope_freqs holds per-frequency factors.
 """
@@ -31,6 +33,7 @@ from ..errors import (
     UnsupportedCheckpointError,
     UnsupportedModelError,
 )
+from .families import Family, family_of_gguf_arch
 from .gguf_file import read_gguf_file
 from .names import canonical_name, checkpoint_tensors, gguf_name, layout_flags
 
@@ -40,10 +43,14 @@ FLOAT_TYPES: dict[QType, torch.dtype] = {
     QType.F16: torch.float16,
     QType.BF16: torch.bfloat16,
 }
-# Block-quantised types dequantised to float32 with gguf.quants; each is checked by tests/checkpoints/test_gguf.py.
+# Block-quantised types dequantised to float32 with gguf.quants: the legacy and k-quant types, the i-quants and
+# ternary types llama.cpp's quantize tool writes for LLaMA-family files; each is checked by
+# tests/checkpoints/test_gguf.py. (Q4_0 / Q4_1 may instead be kept as they are for int4 kernels: gguf_quant.py.)
 QUANTISED_TYPES: frozenset[QType] = frozenset({
     QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0,
     QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
+    QType.IQ1_S, QType.IQ1_M, QType.IQ2_XXS, QType.IQ2_XS, QType.IQ2_S, QType.IQ3_XXS, QType.IQ3_S,
+    QType.IQ4_NL, QType.IQ4_XS, QType.TQ1_0, QType.TQ2_0,
 })
 
 ROPE_FREQS = "rope_freqs.weight"
@@ -83,11 +90,15 @@ def to_torch(tensor: gguf.ReaderTensor, path: Path) -> torch.Tensor:
 
 
 def _unsupported_type(tensor: gguf.ReaderTensor, path: Path) -> UnsupportedCheckpointError:
-    supported = ", ".join(sorted(t.name for t in {*FLOAT_TYPES, *QUANTISED_TYPES}))
     return UnsupportedCheckpointError(
         f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which minilade cannot dequantise "
-        f"(supported: {supported})"
+        f"(supported: {supported_type_names()})"
     )
+
+
+def supported_type_names() -> str:
+    """The GGUF tensor types minilade loads, for messages and --list-models."""
+    return ", ".join(t.name for t in sorted({*FLOAT_TYPES, *QUANTISED_TYPES}))
 
 
 @dataclass(frozen=True)
@@ -96,6 +107,7 @@ class GGUFTensors:
 
     path: Path
     config: ModelConfig  # n_heads / n_kv_heads drive the Q/K un-permutation
+    permuted: bool  # attn_q / attn_k rows are in llama.cpp's interleaved rotary order (families.Family.gguf_permuted)
     by_name: dict[str, gguf.ReaderTensor]  # canonical name -> reader tensor
     metadata: dict[str, Any]  # as read_gguf_metadata returns it (the tokenizer can reuse it: parsing is slow)
 
@@ -112,14 +124,14 @@ class GGUFTensors:
         for name in names:
             tensor = to_torch(self.by_name[name], self.path)
             heads = table[name].module.rotary_heads
-            if heads is not None:
+            if heads is not None and self.permuted:
                 tensor = unpermute_rotary(tensor, getattr(self.config, heads))
             yield name, tensor
 
 
 def open_gguf(path: Path) -> GGUFTensors:
-    """Read a LLaMA GGUF file's config and tensor index. Raises CheckpointError (UnsupportedCheckpointError for a
-    non-llama architecture or a tensor type minilade cannot dequantise)."""
+    """Read a LLaMA-family GGUF file's config and tensor index. Raises CheckpointError (UnsupportedCheckpointError
+    for an architecture outside families.FAMILIES or a tensor type minilade cannot dequantise)."""
     file = read_gguf_file(path)
     by_name: dict[str, gguf.ReaderTensor] = {}
     for tensor in file.tensors:
@@ -130,8 +142,10 @@ def open_gguf(path: Path) -> GGUFTensors:
         if name in by_name:
             raise CheckpointError(f"{path}: tensors {by_name[name].name} and {tensor.name} are both {name}")
         by_name[name] = tensor
-    config = _config(file.metadata, path, by_name)
-    return GGUFTensors(path=path, config=config, by_name=by_name, metadata=file.metadata)
+    family = _family(file.metadata, path)
+    config = _config(file.metadata, family.gguf_arch, path, by_name)
+    return GGUFTensors(path=path, config=config, permuted=family.gguf_permuted, by_name=by_name,
+                       metadata=file.metadata)
 
 
 # ModelConfig field -> the metadata key it is read from (after "llama."), so that a bad value is reported by key.
@@ -140,17 +154,20 @@ _GGUF_KEYS = {
     "n_heads": "attention.head_count", "n_kv_heads": "attention.head_count_kv",
     "intermediate_size": "feed_forward_length", "head_dim": "attention.key_length",
     "norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base", "max_seq_len": "context_length",
+    "sliding_window": "attention.sliding_window",
 }
 
 
-def _config(meta: dict[str, Any], path: Path, by_name: dict[str, gguf.ReaderTensor]) -> ModelConfig:
+def _config(meta: dict[str, Any], arch: str, path: Path, by_name: dict[str, gguf.ReaderTensor]) -> ModelConfig:
     """ModelConfig from the metadata, plus what only the tensors tell: the canonical names (tied head, biases)
     and llama.cpp's per-frequency rope factors. Raises UnsupportedCheckpointError for a model minilade cannot
     run or a value of the wrong type or range (naming its key), CheckpointError for missing metadata."""
-    _check_metadata(meta, path)
+    missing = [f"{arch}.{key}" for key in _REQUIRED_KEYS if f"{arch}.{key}" not in meta]
+    if missing:
+        raise CheckpointError(f"{path}: GGUF metadata lacks {', '.join(missing)}")
 
     def key(name: str, default: Any = None) -> Any:
-        return meta.get(f"llama.{name}", default)
+        return meta.get(f"{arch}.{name}", default)
 
     n_heads = key("attention.head_count")
     eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -166,15 +183,18 @@ def _config(meta: dict[str, Any], path: Path, by_name: dict[str, gguf.ReaderTens
         norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=key("rope.freq_base", 10000.0),
         max_seq_len=key("context_length", 2048),
+        sliding_window=key("attention.sliding_window", 0),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (eos,),
         **layout_flags(by_name.keys()),
     )
     try:
-        check_values(values, {field: f"llama.{name}" for field, name in _GGUF_KEYS.items()}
+        check_values(values, {field: f"{arch}.{name}" for field, name in _GGUF_KEYS.items()}
                      | {"bos_token_id": "tokenizer.ggml.bos_token_id", "eos_token_ids": "tokenizer.ggml.eos_token_id"})
         linear = key("rope.scaling.type") == "linear"
         scaling = RopeScaling("linear", key("rope.scaling.factor", 1.0)) if linear else RopeScaling()
+        if values["sliding_window"] >= values["max_seq_len"]:  # a window as long as the context hides nothing
+            values["sliding_window"] = 0
         config = ModelConfig(rope_scaling=scaling, **values)
     except UnsupportedModelError as exc:
         raise UnsupportedCheckpointError(f"{path}: {exc}") from exc
@@ -182,15 +202,12 @@ def _config(meta: dict[str, Any], path: Path, by_name: dict[str, gguf.ReaderTens
     return config if factors is None else config.replace(rope_freq_factors=factors)
 
 
-def _check_metadata(meta: dict[str, Any], path: Path) -> None:
-    """Raise unless the file describes a llama model and states every metadata key that has no default."""
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise UnsupportedCheckpointError(
-            f"{path}: unsupported GGUF architecture {arch!r:.60}; minilade runs 'llama' GGUF files")
-    missing = [f"llama.{key}" for key in _REQUIRED_KEYS if f"llama.{key}" not in meta]
-    if missing:
-        raise CheckpointError(f"{path}: GGUF metadata lacks {', '.join(missing)}")
+def _family(meta: dict[str, Any], path: Path) -> Family:
+    """The family of the file's general.architecture; UnsupportedCheckpointError naming the supported ones."""
+    try:
+        return family_of_gguf_arch(meta.get("general.architecture"))
+    except UnsupportedModelError as exc:
+        raise UnsupportedCheckpointError(f"{path}: {exc}") from exc
 
 
 def _rope_freq_factors(tensor: gguf.ReaderTensor | None, path: Path, head_dim: int) -> tuple[float, ...] | None:

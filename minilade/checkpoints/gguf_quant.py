@@ -85,7 +85,7 @@ def gguf_int4_weights(source: GGUFTensors, modules: Collection[str]) -> dict[str
             continue
         weight = int4_from_blocks(tensor.data, tensor.tensor_type)
         heads = spec.module.rotary_heads
-        if heads is not None:
+        if heads is not None and source.permuted:
             n_heads = getattr(source.config, heads)
             weight = map_rows(weight, lambda t: unpermute_rotary(t, n_heads))
         parts.setdefault(spec.ours.removesuffix(".weight"), {})[spec.module.slot] = weight

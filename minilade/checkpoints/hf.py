@@ -14,19 +14,18 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..config import ModelConfig, RopeScaling, check_values
+from ..config import ROPE_KINDS, ModelConfig, RopeScaling, check_values
 from ..errors import (
     CheckpointError,
     UnsupportedCheckpointError,
     UnsupportedModelError,
     one_line,
 )
+from .families import Family, family_of_model_type
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# model_type values whose checkpoints follow the LLaMA layout exactly (RMSNorm, RoPE, GQA, SwiGLU).
-LLAMA_LIKE_MODEL_TYPES = ("llama", "mistral")
 # safetensors dtypes loaded (converted to the run's dtype); integer and 8-bit float tensors are quantised data.
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
@@ -86,8 +85,8 @@ _HF_KEYS = {
     "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "intermediate_size": "intermediate_size",
     "head_dim": "head_dim", "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
     "max_seq_len": "max_position_embeddings", "tie_word_embeddings": "tie_word_embeddings",
-    "attention_bias": "attention_bias", "mlp_bias": "mlp_bias", "bos_token_id": "bos_token_id",
-    "eos_token_ids": "eos_token_id",
+    "qkv_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias", "bos_token_id": "bos_token_id",
+    "eos_token_ids": "eos_token_id", "sliding_window": "sliding_window",
 }
 
 
@@ -115,7 +114,10 @@ def read_hf_config(path: Path) -> ModelConfig:
 def config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
     """ModelConfig from the dict of a Hugging Face config.json. Raises UnsupportedModelError for a model that is
     not LLaMA-style or a value of the wrong type or range (naming its key), KeyError for a missing required key."""
-    _check_llama_like(cfg)
+    family = family_of_model_type(cfg.get("model_type"), cfg.get("architectures"))
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"unsupported activation {act!r:.60}; LLaMA-style models use 'silu'")
     n_heads = cfg["num_attention_heads"]
     values = dict(
         vocab_size=cfg["vocab_size"],
@@ -128,32 +130,46 @@ def config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
         norm_eps=cfg.get("rms_norm_eps", 1e-6),
         max_seq_len=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=_flag(cfg, "tie_word_embeddings"),
-        attention_bias=_flag(cfg, "attention_bias"),
-        mlp_bias=_flag(cfg, "mlp_bias"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
+        sliding_window=_sliding_window(cfg, family),
+        **_biases(cfg, family),
     )
     values["rope_theta"], scaling = _rope_from_hf(cfg)
     check_values(values, _HF_KEYS)
     return ModelConfig(rope_scaling=scaling, **values)
 
 
-def _check_llama_like(cfg: Mapping[str, Any]) -> None:
-    """Raise UnsupportedModelError unless the config describes a model the LLaMA code runs exactly."""
-    model_type = cfg.get("model_type")
-    if model_type not in LLAMA_LIKE_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"unsupported architecture {model_type!r:.60} (architectures={cfg.get('architectures')!r:.80}); "
-            f"minilade runs LLaMA-style models: {', '.join(LLAMA_LIKE_MODEL_TYPES)}"
-        )
-    window, context = cfg.get("sliding_window"), cfg.get("max_position_embeddings", 0)
-    if model_type == "mistral" and window not in (None, 0):
-        check_values({"max_seq_len": window}, {"max_seq_len": "sliding_window"})
-        if isinstance(context, int) and window < context:
-            raise UnsupportedModelError(f"sliding-window attention ({window}) is not supported")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"unsupported activation {act!r:.60}; LLaMA-style models use 'silu'")
+def _biases(cfg: Mapping[str, Any], family: Family) -> dict[str, Any]:
+    """qkv_bias, o_bias, mlp_bias: the family's own, or LLaMA's attention_bias (all four projections) and
+    mlp_bias flags."""
+    if family.fixed_biases is not None:
+        return dict(family.fixed_biases)
+    attention = _flag(cfg, "attention_bias")
+    return dict(qkv_bias=attention, o_bias=attention, mlp_bias=_flag(cfg, "mlp_bias"))
+
+
+def _sliding_window(cfg: Mapping[str, Any], family: Family) -> Any:
+    """The attention window every layer uses, 0 for none. Mistral: sliding_window (null: none). Qwen2: only with
+    use_sliding_window, and then on the layers from max_window_layers on (or as layer_types says); a window on
+    some layers but not others is refused. A window as long as the context never hides a key: 0."""
+    window = cfg.get("sliding_window") or 0
+    if family.model_type == "qwen2":
+        if not cfg.get("use_sliding_window"):
+            return 0
+        n_layers, first = cfg.get("num_hidden_layers"), cfg.get("max_window_layers", 0)
+        kinds = cfg.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                           for i in range(n_layers if isinstance(n_layers, int) else 0)]
+        if len(set(kinds)) > 1:
+            raise UnsupportedModelError(f"a sliding window on some layers only (layer_types {sorted(set(kinds))}) "
+                                        f"is not supported; minilade runs one window for every layer")
+        window = window if kinds and kinds[0] == "sliding_attention" else 0
+    elif family.model_type != "mistral":
+        return 0
+    context = cfg.get("max_position_embeddings", 2048)
+    if isinstance(window, int) and isinstance(context, int) and window >= context:
+        return 0
+    return window
 
 
 def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[Any, RopeScaling]:
@@ -175,7 +191,8 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[Any, RopeScaling]:
             high_freq_factor=merged.get("high_freq_factor", 4.0),
             original_max_position_embeddings=merged.get("original_max_position_embeddings", 8192),
         )
-    raise UnsupportedModelError(f"unsupported rope scaling type {kind!r:.60}; minilade supports linear and llama3")
+    raise UnsupportedModelError(f"unsupported rope scaling type {kind!r:.60}; minilade supports "
+                                f"{', '.join(ROPE_KINDS)}")
 
 
 def _object(cfg: Mapping[str, Any], key: str) -> dict[str, Any]:

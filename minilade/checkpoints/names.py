@@ -29,7 +29,7 @@ class Module:
     ours: str  # "layers.{i}.attention.wqkv"
     shape: tuple[str, ...]  # weight shape in named dimensions (see _dims): (out_features, in_features) or (features,)
     slot: int = 0  # position among the modules fused into `ours` along dim 0
-    bias: str | None = None  # "attention_bias" or "mlp_bias"
+    bias: str | None = None  # the ModelConfig flag that gives it a bias: "qkv_bias", "o_bias" or "mlp_bias"
     rotary_heads: str | None = None  # "n_heads" / "n_kv_heads": rows are rotated by RoPE, per head
     tied: bool = False  # absent when config.tie_word_embeddings (the head reuses the embedding matrix)
 
@@ -42,13 +42,13 @@ TABLE: tuple[Module, ...] = (
     Module("model.embed_tokens", "token_embd", "tok_embeddings", ("vocab", "dim")),
     Module("model.layers.{i}.input_layernorm", "blk.{i}.attn_norm", "layers.{i}.attention_norm", ("dim",)),
     Module("model.layers.{i}.self_attn.q_proj", "blk.{i}.attn_q", "layers.{i}.attention.wqkv", ("q_dim", "dim"),
-           slot=0, bias="attention_bias", rotary_heads="n_heads"),
+           slot=0, bias="qkv_bias", rotary_heads="n_heads"),
     Module("model.layers.{i}.self_attn.k_proj", "blk.{i}.attn_k", "layers.{i}.attention.wqkv", ("kv_dim", "dim"),
-           slot=1, bias="attention_bias", rotary_heads="n_kv_heads"),
+           slot=1, bias="qkv_bias", rotary_heads="n_kv_heads"),
     Module("model.layers.{i}.self_attn.v_proj", "blk.{i}.attn_v", "layers.{i}.attention.wqkv", ("kv_dim", "dim"),
-           slot=2, bias="attention_bias"),
+           slot=2, bias="qkv_bias"),
     Module("model.layers.{i}.self_attn.o_proj", "blk.{i}.attn_output", "layers.{i}.attention.wo", ("dim", "q_dim"),
-           bias="attention_bias"),
+           bias="o_bias"),
     Module("model.layers.{i}.post_attention_layernorm", "blk.{i}.ffn_norm", "layers.{i}.ffn_norm", ("dim",)),
     Module("model.layers.{i}.mlp.gate_proj", "blk.{i}.ffn_gate", "layers.{i}.feed_forward.w_gate_up", ("ffn", "dim"),
            slot=0, bias="mlp_bias"),
@@ -178,7 +178,7 @@ def gguf_name(name: str) -> str:
 
 def layout_flags(names: Collection[str]) -> dict[str, bool]:
     """The ModelConfig flags that a checkpoint's canonical tensor names imply (GGUF metadata does not state them):
-    tie_word_embeddings when no head is stored; attention_bias / mlp_bias when layer 0 stores such a bias."""
+    tie_word_embeddings when no head is stored; qkv_bias / o_bias / mlp_bias when layer 0 stores such a bias."""
     flags = {"tie_word_embeddings": not any(_name(m.canonical, 0, "weight") in names for m in TABLE if m.tied)}
     for flag in dict.fromkeys(m.bias for m in TABLE if m.bias):
         flags[flag] = any(_name(m.canonical, 0, "bias") in names for m in TABLE if m.bias == flag)

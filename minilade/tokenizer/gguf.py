@@ -1,6 +1,6 @@
 """GGUF files: a `tokenizers.Tokenizer` rebuilt from the vocabulary in the metadata, by llama.cpp's conventions.
 
-  * `tokenizer.ggml.model='gpt2'` (SmolLM2, Llama 3): byte-level BPE from the stored merges, with the
+  * `tokenizer.ggml.model='gpt2'` (SmolLM2, Llama 3, Qwen2): byte-level BPE from the stored merges, with the
     pre-tokenizer that `tokenizer.ggml.pre` names (how text is cut into words before BPE);
   * 'llama' (Llama 2, TinyLlama): SentencePiece-style BPE with byte fallback, its merges rebuilt from the scores.
 
@@ -10,6 +10,7 @@ are matched in text too. The rebuilt tokenizers only encode; detokenize.py decod
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from .detokenize import (
     is_byte_level_spelled,
     sentencepiece_bytes,
 )
-from .parts import TokenizerParts, library_encoder
+from .parts import Encoder, TokenizerParts, library_encoder
 
 _KEY = gguf.Keys.Tokenizer
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = (
@@ -53,14 +54,14 @@ def read_gguf_tokenizer(path: Path, meta: Mapping[str, Any] | None = None) -> To
     spell: Callable[[str], bytes]
     if vocab.model == "gpt2":
         backend, add_bos = _byte_level_bpe(vocab, str(meta.get(_KEY.PRE, "default")), path)
-        spell, strip = byte_level_bytes, False
+        _add_matched_tokens(backend, vocab)
+        encoder, spell, strip = library_encoder(backend), byte_level_bytes, False
     elif vocab.model == "llama":
         strip = bool(meta.get(_KEY.ADD_PREFIX, True))
-        backend, add_bos, spell = _sentencepiece_bpe(vocab, strip), True, sentencepiece_bytes
+        encoder, add_bos, spell = _sentencepiece_encoder(vocab, strip), True, sentencepiece_bytes
     else:
         raise TokenizerError(f"{path}: unsupported GGUF tokenizer model {vocab.model!r} "
                              "(minilade reads 'gpt2' byte-level BPE and 'llama' SentencePiece vocabularies)")
-    _add_matched_tokens(backend, vocab)
     pieces = tuple(token.encode("utf-8") if kind in _VERBATIM_TYPES else spell(token)
                    for token, kind in zip(vocab.tokens, vocab.types, strict=True))
     special = frozenset(i for i, kind in enumerate(vocab.types) if kind in _SPECIAL_TYPES)
@@ -68,7 +69,7 @@ def read_gguf_tokenizer(path: Path, meta: Mapping[str, Any] | None = None) -> To
     ids: dict[str, Any] = {name: meta.get(key) for name, key in keys.items()}
     bos_id = ids["bos_token"] if vocab.has(ids["bos_token"]) else None
     return TokenizerParts(
-        encoder=library_encoder(backend),
+        encoder=encoder,
         detokenizer=Detokenizer(pieces, special, strip),
         bos_id=bos_id,
         eos_ids=[meta[key] for key in (_KEY.EOS_ID, _KEY.EOT_ID, _KEY.EOM_ID) if vocab.has(meta.get(key))],
@@ -119,12 +120,13 @@ class _GgufVocab:
 def _add_matched_tokens(backend: tokenizers.Tokenizer, vocab: _GgufVocab) -> None:
     """Control/unknown tokens become special added tokens and user-defined ones plain added tokens: either way
     `tokenizers` finds them in the raw text, before normalisation, and never cuts them up (as llama.cpp)."""
-    def added(kinds: tuple[int, ...], special: bool) -> list[AddedToken]:
-        return [AddedToken(token, special=special, normalized=False)
-                for token, kind in zip(vocab.tokens, vocab.types, strict=True) if kind in kinds and token]
+    backend.add_special_tokens(_added(vocab, _SPECIAL_TYPES, special=True))
+    backend.add_tokens(_added(vocab, (_USER_DEFINED,), special=False))
 
-    backend.add_special_tokens(added(_SPECIAL_TYPES, special=True))
-    backend.add_tokens(added((_USER_DEFINED,), special=False))
+
+def _added(vocab: _GgufVocab, kinds: tuple[int, ...], special: bool) -> list[AddedToken]:
+    return [AddedToken(token, special=special, normalized=False)
+            for token, kind in zip(vocab.tokens, vocab.types, strict=True) if kind in kinds and token]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -146,6 +148,10 @@ _LLAMA3_REGEX = (
 )
 
 
+# Qwen2's, from its tokenizer.json (llama.cpp's 'qwen2'): Llama 3's, but every digit is its own word.
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
 def _gpt2_words() -> pre_tokenizers.PreTokenizer:
     # ByteLevel with use_regex applies GPT-2's split regex, then spells each word in the byte alphabet.
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -163,6 +169,13 @@ def _llama3_words() -> pre_tokenizers.PreTokenizer:
     ])
 
 
+def _qwen2_words() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
 # 'default' is what converters write when they could not identify the tokenizer; it maps to GPT-2's regex here
 # (llama.cpp's own 'default' uses an ad-hoc variant). Any other name is refused rather than tokenised wrongly.
 _BYTE_LEVEL_SPLITS: Mapping[str, _ByteLevelSplit] = MappingProxyType({
@@ -172,7 +185,11 @@ _BYTE_LEVEL_SPLITS: Mapping[str, _ByteLevelSplit] = MappingProxyType({
     "llama-bpe": _ByteLevelSplit(_llama3_words, ignore_merges=True, add_bos=True),
     "llama3": _ByteLevelSplit(_llama3_words, ignore_merges=True, add_bos=True),
     "llama-v3": _ByteLevelSplit(_llama3_words, ignore_merges=True, add_bos=True),
+    "qwen2": _ByteLevelSplit(_qwen2_words, ignore_merges=False, add_bos=False),
 })
+PRE_TOKENIZERS = tuple(sorted(_BYTE_LEVEL_SPLITS))  # the tokenizer.ggml.pre values minilade reads
+# Pre-tokenizers whose tokenizer.json normalises text to NFC first (Qwen2's does; the model never saw other forms).
+_NFC_FIRST = frozenset({"qwen2"})
 
 
 def _byte_level_bpe(vocab: _GgufVocab, pre: str, path: Path) -> tuple[tokenizers.Tokenizer, bool]:
@@ -180,7 +197,7 @@ def _byte_level_bpe(vocab: _GgufVocab, pre: str, path: Path) -> tuple[tokenizers
     split = _BYTE_LEVEL_SPLITS.get(pre)
     if split is None:
         raise TokenizerError(f"{path}: unsupported GGUF pre-tokenizer {pre!r} "
-                             f"(minilade knows {', '.join(sorted(_BYTE_LEVEL_SPLITS))})")
+                             f"(minilade knows {', '.join(PRE_TOKENIZERS)})")
     if not vocab.merges:
         raise TokenizerError(f"{path}: byte-level vocabulary without merges ({_KEY.MERGES})")
     # Added tokens keep their text (they are matched in raw text); a normal token stored as plain text rather
@@ -196,6 +213,8 @@ def _byte_level_bpe(vocab: _GgufVocab, pre: str, path: Path) -> tuple[tokenizers
         raise TokenizerError(f"{path}: inconsistent byte-level vocabulary ({one_line(error)})") from error
     backend = tokenizers.Tokenizer(model)
     backend.pre_tokenizer = split.pre_tokenizer()
+    if pre in _NFC_FIRST:
+        backend.normalizer = normalizers.NFC()
     return backend, split.add_bos
 
 
@@ -220,15 +239,32 @@ def _merges_from_scores(vocab: _GgufVocab) -> list[tuple[str, str]]:
     return [(left, right) for *_, left, right in ranked]
 
 
-def _sentencepiece_bpe(vocab: _GgufVocab, add_space_prefix: bool) -> tokenizers.Tokenizer:
-    """tokenizer.ggml.model='llama': SentencePiece BPE with byte fallback, as `tokenizers` BPE. Spaces become '▁'
-    and, with add_space_prefix, every stretch of text between added tokens gets a leading '▁' (llama.cpp does
-    the same after each special token). No pre-tokenizer: SentencePiece BPE sees the whole stretch at once."""
+def _sentencepiece_encoder(vocab: _GgufVocab, add_space_prefix: bool) -> Encoder:
+    """tokenizer.ggml.model='llama': SentencePiece BPE with byte fallback, as `tokenizers` BPE. Spaces become '▁'.
+    Control tokens written in the text are cut out first, and with add_space_prefix every stretch between them
+    gets a leading space (llama.cpp does the same: sentencepiece itself never matches control tokens in text).
+    User-defined tokens are matched inside a stretch after its prefix, as sentencepiece matches them
+    ("<tool>the" is '▁' '<tool>' 'the', "a<tool>b" is '▁a' '<tool>' 'b'). No pre-tokenizer: SentencePiece BPE
+    sees the whole stretch at once."""
     unknown = next((t for t, kind in zip(vocab.tokens, vocab.types, strict=True) if kind == _UNKNOWN), None)
     model = models.BPE({token: i for i, token in enumerate(vocab.tokens)}, _merges_from_scores(vocab),
                        unk_token=unknown, fuse_unk=True, byte_fallback=True)
     backend = tokenizers.Tokenizer(model)
-    spaces = normalizers.Replace(" ", SPACE_MARK)
-    prefix = [normalizers.Prepend(SPACE_MARK)] if add_space_prefix else []  # Prepend skips empty stretches
-    backend.normalizer = normalizers.Sequence([*prefix, spaces])
-    return backend
+    backend.normalizer = normalizers.Replace(" ", SPACE_MARK)
+    backend.add_tokens(_added(vocab, (_USER_DEFINED,), special=False))
+    controls = {token: i for i, token in reversed(list(enumerate(vocab.tokens)))  # the first id of a repeated one
+                if vocab.types[i] in _SPECIAL_TYPES and token}
+    # Longest first, so that at each place the longest control token wins, as `tokenizers` matches added tokens.
+    cut = re.compile("(" + "|".join(map(re.escape, sorted(controls, key=len, reverse=True))) + ")") if controls else None
+    prefix = " " if add_space_prefix else ""
+
+    def encode(text: str) -> list[int]:
+        ids: list[int] = []
+        for n, part in enumerate(cut.split(text) if cut else [text]):
+            if n % 2:  # a control token
+                ids.append(controls[part])
+            elif part:
+                ids += backend.encode(prefix + part, add_special_tokens=False).ids
+        return ids
+
+    return encode

@@ -71,16 +71,18 @@ def _encode(array: np.ndarray, qtype: QType) -> tuple[np.ndarray, QType | None]:
     return gguf.quants.quantize(array.astype(np.float32), qtype), qtype
 
 
-def _gguf_tensors(model: LlamaForCausalLM, qtype: QType) -> GGUFTensorData:
+def _gguf_tensors(model: LlamaForCausalLM, qtype: QType, arch: str = "llama") -> GGUFTensorData:
+    """As llama.cpp's converter stores them: Q/K rows permuted in 'llama' files (LlamaModel.modify_tensors), kept
+    in 'qwen2' files (Qwen2Model does not permute)."""
     config = model.config
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     stored = {}
     for name, tensor in _canonical_state(model).items():
         stem, suffix = name.rsplit(".", 1)
         data = tensor.float().numpy()
-        if ".q_proj." in name:
+        if ".q_proj." in name and arch == "llama":
             data = _llama_cpp_permute(data, config.num_attention_heads)
-        elif ".k_proj." in name:
+        elif ".k_proj." in name and arch == "llama":
             data = _llama_cpp_permute(data, config.num_key_value_heads)
         stored[f"{name_map.get_name(stem)}.{suffix}"] = _encode(data, qtype)
     return stored
@@ -156,15 +158,15 @@ def loaded() -> Callable[[str | Path], dict[str, torch.Tensor]]:
 
 @pytest.fixture(scope="session")
 def gguf_tensors() -> Callable[[LlamaForCausalLM, QType], GGUFTensorData]:
-    """(model, qtype) -> GGUF name -> (stored data, raw type), converted like llama.cpp does (names from gguf's
-    own map)."""
+    """(model, qtype, arch="llama") -> GGUF name -> (stored data, raw type), converted like llama.cpp does (names
+    from gguf's own map)."""
     return _gguf_tensors
 
 
 @pytest.fixture(scope="session")
 def write_gguf() -> Callable[..., Path]:
-    """(path, LlamaConfig, tensors, arch="llama", **metadata overrides, e.g. feed_forward_length) -> path of a
-    GGUF file with llama.cpp's metadata keys for the config."""
+    """(path, LlamaConfig, tensors, arch="llama", **metadata overrides, e.g. feed_forward_length or
+    sliding_window) -> path of a GGUF file with llama.cpp's metadata keys for the config."""
     return _write_gguf
 
 

@@ -109,7 +109,7 @@ def test_gguf_matches_transformers_gguf_loader(name: str, qtype: QType, tiny_ggu
 def test_gguf_biases_and_rope_freqs(tmp_path: Path, tiny_llama: TinyLlama, gguf_tensors: GGUFTensors,
                                     write_gguf: WriteGGUF, canonical_state: StateOf) -> None:
     """Q/K biases are permuted by the converter too; rope_freqs feeds config.rope_freq_factors. (transformers'
-    GGUF loader reads no attention_bias from LLaMA GGUF metadata, so this is checked against the HF model only.)"""
+    GGUF loader reads no bias flags from LLaMA GGUF metadata, so this is checked against the HF model only.)"""
     model = tiny_llama("gqa-bias")
     tensors = gguf_tensors(model, QType.F32)
     head_dim = model.config.hidden_size // model.config.num_attention_heads
@@ -118,7 +118,7 @@ def test_gguf_biases_and_rope_freqs(tmp_path: Path, tiny_llama: TinyLlama, gguf_
     path = write_gguf(tmp_path / "bias.gguf", model.config, tensors)
 
     checkpoint = open_checkpoint(path, progress=False)
-    assert checkpoint.config.attention_bias and checkpoint.config.mlp_bias
+    assert checkpoint.config.qkv_bias and checkpoint.config.o_bias and checkpoint.config.mlp_bias
     assert checkpoint.config.rope_freq_factors == tuple(factors.tolist())
     ours = dict(checkpoint.tensors())
     reference = canonical_state(model)
@@ -232,13 +232,25 @@ KQUANT_F16_FIELDS = {QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2
                      QType.Q6_K: (208,)}
 
 
+# The same for the i-quants and ternary types (ggml-common.h's block structs: d first, or last in TQ1_0 / TQ2_0).
+# IQ1_M has no float16 field: its scale is spread over the top nibbles of four uint16 scales (see random_blocks).
+IQUANT_F16_FIELDS = {QType.IQ1_S: (0,), QType.IQ1_M: (), QType.IQ2_XXS: (0,), QType.IQ2_XS: (0,),
+                     QType.IQ2_S: (0,), QType.IQ3_XXS: (0,), QType.IQ3_S: (0,), QType.IQ4_NL: (0,),
+                     QType.IQ4_XS: (0,), QType.TQ1_0: (52,), QType.TQ2_0: (64,)}
+IQ1_M_SCALES = 48  # byte offset of IQ1_M's four uint16 scales
+
+
 def random_blocks(qtype: QType, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
     """Random raw blocks for a (rows, cols) tensor, with finite, moderate float16 scales."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(shape[0], shape[1] // block_size, type_size), dtype=np.uint8)
-    for offset in KQUANT_F16_FIELDS[qtype]:
+    for offset in {**KQUANT_F16_FIELDS, **IQUANT_F16_FIELDS}[qtype]:
         scale = rng.uniform(0.01, 0.1, size=raw.shape[:2]).astype(np.float16)
         raw[..., offset:offset + 2] = scale[..., None].view(np.uint8).reshape(*raw.shape[:2], 2)
+    if qtype == QType.IQ1_M:  # d = 0x2E66 (about 0.1): nibbles 6, 6, E, 2 atop scales 0..3
+        for i, nibble in enumerate((0x6, 0x6, 0xE, 0x2)):
+            byte = raw[..., IQ1_M_SCALES + 2 * i + 1]
+            raw[..., IQ1_M_SCALES + 2 * i + 1] = (byte & 0x0F) | (nibble << 4)
     return raw.reshape(shape[0], -1)
 
 
@@ -282,6 +294,24 @@ def test_gguf_kquants_match_ggml_reference_loops(qtype: QType, kquant_gguf: KQua
         want = reference_dequantise(qtype, raw[gguf_key])
         assert ours[canonical].dtype == torch.float32
         torch.testing.assert_close(ours[canonical], want, rtol=0, atol=0, msg=canonical)
+
+
+@pytest.mark.parametrize("qtype", list(IQUANT_F16_FIELDS), ids=lambda q: q.name)
+def test_gguf_iquants_and_ternary_types_load(qtype: QType, kquant_gguf: KQuantGGUF, loaded: Loaded) -> None:
+    """The types llama.cpp's quantize writes beyond the k-quants load as gguf-py dequantises them (no independent
+    reference here: these pin the plumbing, the block sizes and that no type is refused), and the model runs."""
+    path, raw = kquant_gguf(qtype)
+    ours = loaded(path)
+    for gguf_key, canonical in [("token_embd.weight", "model.embed_tokens.weight"),
+                                ("blk.0.attn_v.weight", "model.layers.0.self_attn.v_proj.weight"),
+                                ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight")]:
+        want = torch.from_numpy(gguf.quants.dequantize(raw[gguf_key], qtype))
+        assert want.abs().max() > 0 and torch.equal(ours[canonical], want), canonical
+    checkpoint = open_checkpoint(path, progress=False)
+    model = checkpoint.load_model(dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3]]), torch.arange(3), model.new_cache(8))
+    assert torch.isfinite(logits).all()
 
 
 def test_gguf_q4_k_block_derived_by_hand(kquant_gguf: KQuantGGUF, loaded: Loaded) -> None:
@@ -339,8 +369,9 @@ def test_not_a_gguf_file(tmp_path: Path, assert_one_line_error: OneLineError) ->
 
 
 def test_unsupported_gguf_architecture(tiny_gguf: TinyGGUF, assert_one_line_error: OneLineError) -> None:
-    _, path = tiny_gguf("mha-untied", QType.F32, arch="qwen2")
-    assert_one_line_error(lambda: open_checkpoint(path), str(path), "unsupported GGUF architecture 'qwen2'",
+    _, path = tiny_gguf("mha-untied", QType.F32, arch="gemma")
+    assert_one_line_error(lambda: open_checkpoint(path), str(path), "unsupported GGUF architecture 'gemma'",
+                          "'llama', 'qwen2'",
                           kind=UnsupportedCheckpointError)
 
 
@@ -348,11 +379,11 @@ def test_unsupported_gguf_tensor_type(tmp_path: Path, tiny_llama: TinyLlama, ggu
                                       write_gguf: WriteGGUF, assert_one_line_error: OneLineError) -> None:
     model = tiny_llama("mha-untied")
     tensors = gguf_tensors(model, QType.Q8_0)
-    block_size, type_size = gguf.GGML_QUANT_SIZES[QType.IQ4_NL]  # dequantisable by gguf, but not supported here
-    tensors["blk.0.ffn_up.weight"] = (np.zeros((96, 64 // block_size * type_size), dtype=np.uint8), QType.IQ4_NL)
-    path = write_gguf(tmp_path / "iq4.gguf", model.config, tensors)
-    assert_one_line_error(lambda: open_checkpoint(path), str(path), "tensor blk.0.ffn_up.weight has type IQ4_NL",
-                          kind=UnsupportedCheckpointError)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[QType.Q8_1]  # llama.cpp's activation type; no weight uses it
+    tensors["blk.0.ffn_up.weight"] = (np.zeros((96, 64 // block_size * type_size), dtype=np.uint8), QType.Q8_1)
+    path = write_gguf(tmp_path / "q8_1.gguf", model.config, tensors)
+    assert_one_line_error(lambda: open_checkpoint(path), str(path), "tensor blk.0.ffn_up.weight has type Q8_1",
+                          "supported: F32, F16, Q4_0", "IQ4_XS", kind=UnsupportedCheckpointError)
 
 
 def test_missing_and_misshapen_gguf_tensors(tmp_path: Path, tiny_llama: TinyLlama, gguf_tensors: GGUFTensors,

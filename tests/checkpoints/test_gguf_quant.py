@@ -63,15 +63,16 @@ def test_q8_0_has_no_int4_mapping() -> None:
         int4_from_blocks(data, QType.Q8_0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # Q/K rows permuted by llama.cpp's converter, or not
 @pytest.mark.parametrize("name", ["mha-untied", "gqa-tied", "gqa-bias"])
 @pytest.mark.parametrize("qtype", INT4, ids=lambda q: q.name)
 def test_model_weights_from_blocks_equal_the_loaded_float_weights(
-        name: str, qtype: QType, tmp_path: Path, tiny_llama: Callable[..., Any], gguf_tensors: Callable[..., Any],
-        write_gguf: Callable[..., Path]) -> None:
-    """Un-permuted Q/K rows and fused projections: every linear module's int4 weight dequantizes to exactly the
-    float weight the float loader builds from the same file."""
+        name: str, qtype: QType, arch: str, tmp_path: Path, tiny_llama: Callable[..., Any],
+        gguf_tensors: Callable[..., Any], write_gguf: Callable[..., Path]) -> None:
+    """Un-permuted Q/K rows (in 'llama' files) and fused projections: every linear module's int4 weight
+    dequantizes to exactly the float weight the float loader builds from the same file."""
     hf = tiny_llama(name)
-    path = write_gguf(tmp_path / f"{name}.gguf", hf.config, gguf_tensors(hf, qtype))
+    path = write_gguf(tmp_path / f"{name}.gguf", hf.config, gguf_tensors(hf, qtype, arch), arch=arch)
     model = open_checkpoint(path, progress=False).load_model(dtype=torch.float32, device="cpu")
     linears = {n: m for n, _, _, m in linear_modules(model)}
     weights = gguf_int4_weights(open_gguf(path), linears)

@@ -50,7 +50,7 @@ def test_safetensors_equal_transformers_state_dict(tmp_path: Path, tiny_name: st
     assert (config.n_heads, config.n_kv_heads, config.head_dim) == (
         hf.num_attention_heads, hf.num_key_value_heads, model.model.layers[0].self_attn.head_dim)
     assert config.tie_word_embeddings == hf.tie_word_embeddings
-    assert (config.attention_bias, config.mlp_bias) == (hf.attention_bias, hf.mlp_bias)
+    assert (config.qkv_bias, config.o_bias, config.mlp_bias) == (hf.attention_bias, hf.attention_bias, hf.mlp_bias)
     assert (config.rope_theta, config.norm_eps) == (10000.0, 1e-5)
 
 
@@ -95,13 +95,13 @@ def test_config_defaults_and_token_ids() -> None:
     assert (config.n_kv_heads, config.head_dim, config.norm_eps, config.max_seq_len) == (4, 8, 1e-6, 2048)
     assert (config.bos_token_id, config.eos_token_ids) == (1, (2, 7))
     assert config_from_hf({**MINIMAL, "eos_token_id": 2}).eos_token_ids == (2,)
-    assert not (config.tie_word_embeddings or config.attention_bias or config.mlp_bias)
+    assert not (config.tie_word_embeddings or config.qkv_bias or config.o_bias or config.mlp_bias)
 
 
 @pytest.mark.parametrize("change, fragment", [
     ({"model_type": "gpt2"}, "unsupported architecture 'gpt2'"),
-    ({"model_type": "mistral", "sliding_window": 64, "max_position_embeddings": 128},
-     "sliding-window attention (64) is not supported"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1,
+      "num_hidden_layers": 2}, "a sliding window on some layers only"),
     ({"hidden_act": "gelu"}, "unsupported activation 'gelu'"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope scaling type 'yarn'"),
     ({"num_key_value_heads": 3}, "n_heads=4 is not a multiple of n_kv_heads=3"),
@@ -111,10 +111,22 @@ def test_config_rejects_models_that_are_not_llama_like(change: dict[str, Any], f
         config_from_hf({**MINIMAL, **change})
 
 
-def test_config_sliding_window_as_long_as_the_context_is_plain_attention() -> None:
-    config = config_from_hf({**MINIMAL, "model_type": "mistral", "sliding_window": 128,
-                             "max_position_embeddings": 128})
-    assert config.max_seq_len == 128
+@pytest.mark.parametrize("change, window", [
+    ({"model_type": "mistral", "sliding_window": 128, "max_position_embeddings": 128}, 0),  # hides nothing
+    ({"model_type": "mistral", "sliding_window": 64, "max_position_embeddings": 128}, 64),
+    ({"model_type": "mistral", "sliding_window": None}, 0),
+    ({"model_type": "llama", "sliding_window": 64}, 0),  # not a LLaMA option: transformers ignores it too
+    ({"model_type": "qwen2", "sliding_window": 64}, 0),  # without use_sliding_window
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}, 64),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2}, 0),
+], ids=["mistral-context", "mistral", "mistral-null", "llama", "qwen2-off", "qwen2-all-layers", "qwen2-no-layer"])
+def test_config_sliding_window(change: dict[str, Any], window: int) -> None:
+    assert config_from_hf({**MINIMAL, "max_position_embeddings": 128, **change}).sliding_window == window
+
+
+def test_config_qwen2_biases_on_q_k_v_only() -> None:
+    config = config_from_hf({**MINIMAL, "model_type": "qwen2", "attention_bias": False, "mlp_bias": True})
+    assert (config.qkv_bias, config.o_bias, config.mlp_bias) == (True, False, False)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from minilade.config import ModelConfig
 from minilade.model import Transformer
 
 StateOf = Callable[[LlamaForCausalLM], dict[str, torch.Tensor]]
-# attention_bias and mlp_bias are independent flags; each alone, and both with an untied head.
+# attention_bias (q, k, v and o) and mlp_bias are independent flags; each alone, and both with an untied head.
 BIAS_VARIANTS = {
     "attention-bias": dict(attention_bias=True),
     "mlp-bias": dict(mlp_bias=True),
@@ -48,12 +48,12 @@ def test_bias_flags_match_transformers(variant: str, tiny_llama: Callable[..., L
     state = canonical_state(model)
     assert expected_tensor_shapes(config) == {k: tuple(v.shape) for k, v in state.items()}
     flags = layout_flags(state.keys())
-    assert flags == {"tie_word_embeddings": config.tie_word_embeddings, "attention_bias": config.attention_bias,
-                     "mlp_bias": config.mlp_bias}
+    assert flags == {"tie_word_embeddings": config.tie_word_embeddings, "qkv_bias": config.qkv_bias,
+                     "o_bias": config.o_bias, "mlp_bias": config.mlp_bias}
 
 
 def bias_config() -> ModelConfig:
-    return ModelConfig.preset("tiny-gqa").replace(attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
+    return ModelConfig.preset("tiny-gqa").replace(qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=False)
 
 
 def test_gguf_names_round_trip_and_match_gguf_name_map() -> None:

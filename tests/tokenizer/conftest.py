@@ -74,8 +74,9 @@ def hf_smollm2(smollm2_gguf: Path):
 # A tiny SentencePiece vocabulary, as a tokenizer.model folder and as a GGUF
 # ---------------------------------------------------------------------------------------------------------------
 
-def _train_sentencepiece(folder: Path) -> sentencepiece.SentencePieceProcessor:
-    """A tiny BPE model with byte fallback, normalised like Llama's (identity rule, spaces kept as they are)."""
+def _train_sentencepiece(folder: Path, user_defined: tuple[str, ...] = ()) -> sentencepiece.SentencePieceProcessor:
+    """A tiny BPE model with byte fallback, normalised like Llama's (identity rule, spaces kept as they are), with
+    `user_defined` pieces (added tokens, matched whole in text)."""
     rng = random.Random(0)
     words = ("the quick brown fox jumps over the lazy dog tokenizer merges bytes fallback space prefix llama "
              "model piece score vocabulary hello world café naïve résumé Straße 2024 12345").split()
@@ -85,6 +86,7 @@ def _train_sentencepiece(folder: Path) -> sentencepiece.SentencePieceProcessor:
         sentence_iterator=iter(lines), model_writer=model, model_type="bpe", vocab_size=450, byte_fallback=True,
         normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
         character_coverage=1.0, allow_whitespace_only_pieces=True, minloglevel=2,
+        **({"user_defined_symbols": list(user_defined)} if user_defined else {}),
     )
     folder.mkdir(parents=True)
     (folder / "tokenizer.model").write_bytes(model.getvalue())
@@ -109,7 +111,10 @@ def write_gguf(path: Path, vocab_size: int, **tokenizer: object) -> Path:
     return path
 
 
-def _sentencepiece_token_type(processor: sentencepiece.SentencePieceProcessor, i: int) -> int:
+def _sentencepiece_token_type(processor: sentencepiece.SentencePieceProcessor, i: int,
+                              user_defined: tuple[str, ...] = ()) -> int:
+    if processor.id_to_piece(i) in user_defined:
+        return gguf.TokenType.USER_DEFINED
     if processor.is_unknown(i):
         return gguf.TokenType.UNKNOWN
     if processor.is_control(i):
@@ -119,11 +124,24 @@ def _sentencepiece_token_type(processor: sentencepiece.SentencePieceProcessor, i
     return gguf.TokenType.NORMAL
 
 
+# Added tokens of the `spm_added` vocabulary: a tag and a code fence, as chat and code models add them.
+SPM_ADDED = ("<tool>", "```")
+
+
 @pytest.fixture(scope="package")
 def spm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, sentencepiece.SentencePieceProcessor]:
     """(folder with tokenizer.model, GGUF with the same vocabulary as llama.cpp writes it, the processor)."""
-    root = tmp_path_factory.mktemp("spm")
-    processor = _train_sentencepiece(root / "folder")
+    return _spm_files(tmp_path_factory.mktemp("spm"), ())
+
+
+@pytest.fixture(scope="package")
+def spm_added(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, sentencepiece.SentencePieceProcessor]:
+    """As `spm`, with the user-defined pieces SPM_ADDED."""
+    return _spm_files(tmp_path_factory.mktemp("spm_added"), SPM_ADDED)
+
+
+def _spm_files(root: Path, user_defined: tuple[str, ...]) -> tuple[Path, Path, sentencepiece.SentencePieceProcessor]:
+    processor = _train_sentencepiece(root / "folder", user_defined)
     n = processor.get_piece_size()
     (root / "gguf").mkdir()
     gguf_path = write_gguf(
@@ -131,7 +149,7 @@ def spm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, sentencep
         tokenizer_model="llama",
         token_list=[processor.id_to_piece(i) for i in range(n)],
         token_scores=[processor.get_score(i) for i in range(n)],
-        token_types=[_sentencepiece_token_type(processor, i) for i in range(n)],
+        token_types=[_sentencepiece_token_type(processor, i, user_defined) for i in range(n)],
         bos_token_id=processor.bos_id(), eos_token_id=processor.eos_id(), unk_token_id=processor.unk_id(),
     )
     return root / "folder", gguf_path, processor

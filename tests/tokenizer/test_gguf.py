@@ -14,6 +14,7 @@ from minilade.tokenizer import Tokenizer
 
 from .conftest import (
     SMOLLM2_TEXTS,
+    SPM_ADDED,
     assert_one_line_error,
     byte_level_gguf,
     spm_texts,
@@ -84,6 +85,131 @@ def test_sentencepiece_gguf_matches_sentencepiece(spm) -> None:
     assert byte_fallbacks > 10  # the texts do exercise byte fallback
 
 
+def test_sentencepiece_gguf_with_added_tokens_matches_sentencepiece(spm_added) -> None:
+    """User-defined pieces (Llama 2 fine-tunes add such tokens) are matched whole in text, as sentencepiece
+    matches them, even inside words and next to spaces."""
+    _, gguf_path, processor = spm_added
+    tokenizer = Tokenizer.from_checkpoint(gguf_path)
+    added = [processor.piece_to_id(piece) for piece in SPM_ADDED]
+    seen = set()
+    for text in spm_texts() + ["<tool>the fox</tool>", "```python\nhello```", "a<tool>b ``` c ````", "``` ```"]:
+        ids = tokenizer.encode(text, add_bos=False)
+        assert ids == processor.encode(text), text
+        assert tokenizer.decode(ids) == processor.decode(ids) == text
+        seen |= set(ids) & set(added)
+    assert seen == set(added)
+    # Control tokens written in text are cut out first; each stretch between them encodes as on its own (llama.cpp).
+    bos, eos = processor.bos_id(), processor.eos_id()
+    assert tokenizer.encode("<s>hello</s> the<tool>", add_bos=False) == [
+        bos, *processor.encode("hello"), eos, *processor.encode(" the<tool>")]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Byte-level vocabularies trained with `tokenizers` under each pre-tokenizer, written as llama.cpp writes them
+# ---------------------------------------------------------------------------------------------------------------
+
+# The split regexes of Llama 3's and Qwen2's tokenizer.json, written out here so the reference does not share
+# minilade's copy.
+REFERENCE_SPLITS = {
+    "llama-bpe": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+", True, False),
+    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+", False, True),
+}  # pre -> (regex, ignore_merges, NFC normaliser), as the models' tokenizer.json files set them
+SPECIALS = ["<|begin_of_text|>", "<|eot_id|>"]
+CORPUS = SMOLLM2_TEXTS + [
+    "The tokenizer merges bytes into words; numbers like 2024 and 1234567 split by the regex.",
+    "def main():\n    for i in range(10):\n        print(i ** 2)\n\n\nif __name__ == '__main__':\n    main()\n",
+]
+
+
+def trained_byte_level(pre: str, specials: list[str] = SPECIALS) -> tokenizers.Tokenizer:
+    """A byte-level BPE vocabulary of about 700 tokens trained under the pre-tokenizer `pre`, plus `specials`."""
+    from tokenizers import Regex, decoders, models, normalizers, trainers
+
+    regex, ignore_merges, nfc = REFERENCE_SPLITS[pre]
+    tok = tokenizers.Tokenizer(models.BPE(ignore_merges=ignore_merges))
+    if nfc:
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=700, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.add_special_tokens(specials)
+    return tok
+
+
+def gguf_of(tok: tokenizers.Tokenizer, path: Path, pre: str, specials: list[str] = SPECIALS, **fields: object
+            ) -> Path:
+    """The vocabulary as llama.cpp's converter writes it: tokens by id, merges, CONTROL for special tokens (the
+    first is BOS, the second EOS)."""
+    import json
+
+    import gguf
+
+    vocab = tok.get_vocab(with_added_tokens=True)
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
+    types = [gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens]
+    return write_gguf(path, len(tokens), tokenizer_model="gpt2", tokenizer_pre=pre, token_list=tokens,
+                      token_types=types, token_merges=merges, bos_token_id=vocab[specials[0]],
+                      eos_token_id=vocab[specials[1]], **fields)
+
+
+@pytest.mark.parametrize("pre", list(REFERENCE_SPLITS))
+def test_trained_byte_level_vocabulary_matches_tokenizers(pre: str, tmp_path: Path) -> None:
+    """Llama 3 ('llama-bpe') and Qwen2 ('qwen2') GGUF vocabularies encode and decode like the `tokenizers` model
+    they were written from, on Unicode, code, whitespace runs, numerals and special tokens in text."""
+    reference = trained_byte_level(pre)
+    tokenizer = Tokenizer.from_checkpoint(gguf_of(reference, tmp_path / f"{pre}.gguf", pre))
+    texts = SMOLLM2_TEXTS + ["<|begin_of_text|>Hi<|eot_id|>\n", "x<|eot_id|><|eot_id|>  ", "9876543210 + 42",
+                             "\n\n\n    \t  \u3000end", "ﬁ Å e\u0301"]
+    for text in texts:
+        ids = tokenizer.encode(text, add_bos=False)
+        assert ids == reference.encode(text, add_special_tokens=False).ids, text
+        assert tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=False), text
+    assert tokenizer.add_bos == (pre == "llama-bpe")  # llama.cpp's default for each
+
+
+# Qwen2.5-Instruct's chat template without its tool-call branches: a default system prompt, ChatML turns.
+QWEN25_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_qwen2_gguf_chat_matches_transformers(tmp_path: Path) -> None:
+    """A Qwen2 GGUF ('qwen2' vocabulary, ChatML template, <|im_end|> as EOS, no BOS) renders and encodes chats as
+    transformers does with the same vocabulary and template."""
+    from transformers import PreTrainedTokenizerFast
+
+    from .conftest import CONVERSATIONS
+
+    specials = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
+    reference = trained_byte_level("qwen2", specials)
+    path = gguf_of(reference, tmp_path / "qwen2.gguf", "qwen2", specials, chat_template=QWEN25_TEMPLATE,
+                   add_bos_token=False)
+    ours = Tokenizer.from_checkpoint(path)
+    theirs = PreTrainedTokenizerFast(tokenizer_object=reference, chat_template=QWEN25_TEMPLATE)
+    assert not ours.add_bos and ours.eos_ids == (reference.token_to_id("<|im_end|>"),)
+    for messages in CONVERSATIONS:
+        text = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ours.render_chat(messages) == text
+        assert ours.encode_chat(messages) == reference.encode(text, add_special_tokens=False).ids
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Byte-level pre-tokenizers and metadata flags on a tiny vocabulary
 # ---------------------------------------------------------------------------------------------------------------
@@ -116,8 +242,9 @@ def test_gguf_end_of_generation_ids_and_flags(tmp_path: Path) -> None:
 def test_gguf_errors_are_one_line(tmp_path: Path) -> None:
     bert = write_gguf(tmp_path / "bert.gguf", 3, tokenizer_model="bert", token_list=["a", "b", "c"])
     assert_one_line_error(lambda: Tokenizer.from_checkpoint(bert), "unsupported GGUF tokenizer model 'bert'")
-    qwen = byte_level_gguf(tmp_path / "qwen.gguf", "qwen2", ["1 2"])
-    assert_one_line_error(lambda: Tokenizer.from_checkpoint(qwen), "unsupported GGUF pre-tokenizer 'qwen2'")
+    tekken = byte_level_gguf(tmp_path / "tekken.gguf", "tekken", ["1 2"])
+    assert_one_line_error(lambda: Tokenizer.from_checkpoint(tekken), "unsupported GGUF pre-tokenizer 'tekken'",
+                          "llama-bpe", "qwen2")
     no_vocab = write_gguf(tmp_path / "no_vocab.gguf", 3)
     assert_one_line_error(lambda: Tokenizer.from_checkpoint(no_vocab), "no tokenizer vocabulary")
 
