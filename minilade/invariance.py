@@ -237,4 +237,7 @@ class RowTiledLinear(nn.Module):
         self.packed = prepack(linear.weight) if tiling.packed else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tiled_matmul(x, linear_kernel(self.weight, self.bias, self.packed), self.tiling)
+        kernel = linear_kernel(self.weight, self.bias, self.packed)
+        if not self.tiling.split and x.numel() >= self.tiling.rows * x.shape[-1]:
+            return kernel(x)  # rows enough for the tiling: the kernel as it is (it flattens leading dimensions)
+        return tiled_matmul(x, kernel, self.tiling)
