@@ -31,6 +31,7 @@ MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)  # the only groups _weight_int4pack_mm_for_cpu accepts
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # float32: exact scales, but the kernels' slow scalar path
 INT4_OFFSET = 8  # the kernel reads a 4-bit code c in [0, 15] as the signed value c - 8
+INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu packs output rows in blocks of 16
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,9 @@ def quantize_weight(weight: torch.Tensor, mode: str, group_size: int,
         return Int8Weight.from_float(weight, scale_dtype)
     if weight.shape[1] % group_size:
         raise ValueError(f"int4 needs in_features divisible by group_size; got {weight.shape[1]} and {group_size}")
+    if weight.shape[0] % INT4_ROWS:
+        raise ValueError(f"int4 needs out_features divisible by {INT4_ROWS} (the kernel's packing); got "
+                         f"{weight.shape[0]}")
     return Int4Weight.from_float(weight, group_size, scale_dtype)
 
 

@@ -168,6 +168,10 @@ def test_indivisible_layer_and_non_cpu_model_are_named() -> None:
     with pytest.raises(ValueError, match=r"^[\w.]+: int4 needs in_features divisible by group_size; got 48 and 32$"):
         quantize_linears(model, "int4", 32)
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())  # nothing half-swapped
+    model = tiny_model(vocab=40, preset="tiny-mha")  # dim 32, but a head of 40 rows the int4 packing cannot take
+    with pytest.raises(ValueError, match=r"^output: int4 needs out_features divisible by 16 \(the kernel's packing\); "
+                                         r"got 40$"):
+        quantize_linears(model, "int4", 32)
     model = tiny_model(preset="tiny-mha").to("meta")
     with pytest.raises(ValueError, match=r"^quantized layers run on the CPU only; [\w.]+ is on meta$"):
         quantize_linears(model, "int8")

@@ -5,7 +5,8 @@
 
 Parts (--parts):
   layers   per-layer matmul milliseconds at 1..64 rows on SmolLM2-135M's shapes: dense float32 / bfloat16, int8,
-           int4 (group 32 and 64; 576 columns rule out 128), int4 dequantized on the fly into a float32 matmul; kernels interleaved.
+           int4 (group 32 and 64; 576 columns rule out 128), int4 dequantized on the fly into a float32 matmul;
+           kernels interleaved.
   decode   plain (autoregressive) decoding of the real model: float32 against int8 / int4 with float32 or
            bfloat16 models around the quantized layers; decode tokens/s (medians of interleaved repeats),
            weight bytes, and whether lookahead's greedy output equals plain decoding's under the same weights.
@@ -44,6 +45,7 @@ from minilade.checkpoints.gguf_quant import gguf_int4_weights
 from minilade.config import ModelConfig
 from minilade.decoding import Autoregressive, GenerationSettings, GenerationStats, Lookahead, TokenRun, decode_tokens
 from minilade.decoding.step_costs import measure_step_costs
+from minilade.device import make_invariant
 from minilade.model import Transformer
 from minilade.quant import Int4Weight, QuantizedLinear, linear_modules, quantize_linears, quantize_weight, weight_bytes
 from minilade.sampling import SamplingParams
@@ -187,7 +189,14 @@ def variants(llm: LLM, checkpoint: Checkpoint, dense_from: int | None = None) ->
     if dense_from is not None:
         models[f"int4 dense>={dense_from}"] = quantize_linears(copy.deepcopy(llm.model), "int4", 32, weights=blocks,
                                                                dense_from_rows=dense_from)
-    return models
+    return {name: as_loaded(model) for name, model in models.items()}
+
+
+def as_loaded(model: Transformer) -> Transformer:
+    """The model on the path LLM.load runs: batch-invariant steps, float layers in their row tilings."""
+    model.batch_invariant = True
+    make_invariant(model, warn=False)
+    return model
 
 
 def file_blocks(model: Transformer, checkpoint: Checkpoint) -> dict[str, Int4Weight]:
@@ -204,7 +213,8 @@ def to_dtype(model: Transformer, dtype: torch.dtype) -> Transformer:
     return model
 
 
-def generate(model: Transformer, ids: list[int], strategy: Any, max_new_tokens: int) -> tuple[list[int], GenerationStats]:
+def generate(model: Transformer, ids: list[int], strategy: Any, max_new_tokens: int
+             ) -> tuple[list[int], GenerationStats]:
     run = TokenRun(GenerationStats())
     settings = GenerationSettings(strategy, SamplingParams(), max_new_tokens)
     tokens = list(decode_tokens(model, ids, run, settings))
@@ -217,7 +227,9 @@ def humaneval_ids(llm: LLM, args: argparse.Namespace, n: int) -> list[list[int]]
 
 
 def load_real(args: argparse.Namespace) -> tuple[LLM, Checkpoint]:
-    llm = LLM.load(args.ckpt, dtype="float32", progress=False)  # made batch-invariant, as LLM.load runs it
+    # Plain layers that copy.deepcopy can copy (prepacked ones cannot); variants() then makes each copy
+    # batch-invariant, as LLM.load does.
+    llm = LLM.load(args.ckpt, dtype="float32", progress=False, exact=False)
     return llm, open_checkpoint(args.ckpt, progress=False)
 
 
@@ -269,10 +281,10 @@ def run_steps(args: argparse.Namespace) -> dict:
     float32 model as LLM.load runs it (batch-invariant), int4 exact and int4 with a dense copy."""
     llm, checkpoint = load_real(args)
     blocks = file_blocks(llm.model, checkpoint)
-    models = {"float32": llm.model,
-              "int4": quantize_linears(copy.deepcopy(llm.model), "int4", 32, weights=blocks),
-              f"int4 dense>={args.dense_from}": quantize_linears(copy.deepcopy(llm.model), "int4", 32, weights=blocks,
-                                                                 dense_from_rows=args.dense_from)}
+    models = {"float32": as_loaded(copy.deepcopy(llm.model)),
+              "int4": as_loaded(quantize_linears(copy.deepcopy(llm.model), "int4", 32, weights=blocks)),
+              f"int4 dense>={args.dense_from}": as_loaded(quantize_linears(
+                  copy.deepcopy(llm.model), "int4", 32, weights=blocks, dense_from_rows=args.dense_from))}
     costs = {name: measure_step_costs(model, LAYER_ROWS, context=256, repeats=args.repeats)
              for name, model in models.items()}
     table = {f"T={T}": {name: 1e3 * costs[name][T] for name in models} for T in LAYER_ROWS}

@@ -1,0 +1,32 @@
+"""scripts/bench/quant.py: the quantized contenders run on the path LLM.load gives them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts.bench import quant
+
+from ..helpers import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def quantizable_checkpoint(tmp_path_factory) -> Path:
+    """A tiny checkpoint whose every layer int4 can pack (a vocabulary of a multiple of 16 tokens)."""
+    pytest.importorskip("transformers")
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "a b c d hello world", max_positions=512)
+
+
+def test_decode_and_steps_run_every_contender_batch_invariant(quantizable_checkpoint: Path, data_dir: Path,
+                                                              tmp_path: Path) -> None:
+    argv = ["--parts", "decode", "steps", "--ckpt", str(quantizable_checkpoint), "--data-dir", str(data_dir),
+            "--n-prompts", "1", "--max-new-tokens", "6", "--repeats", "1", "--out-dir", str(tmp_path)]
+    assert quant.main(argv) == 0
+    results = json.loads((tmp_path / "quant_results.json").read_text())
+    decode = results["decode"]
+    timed = {"float32", "bfloat16", "int8", "int8 bf16 model", "int4", "int4 bf16 model"}
+    assert set(decode["table"]) == timed and decode["table"]["float32"]["vs_float32"] == 1.0
+    assert {name: same for name, same in decode["exact"].items() if name in timed} == dict.fromkeys(timed, "1/1")
+    assert set(results["steps"]) >= {"table"}
