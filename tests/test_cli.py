@@ -175,3 +175,18 @@ def test_quantized_lookahead_equals_quantized_plain_decoding(tiny_checkpoint: Pa
 def test_bad_group_size_fails_before_loading(tiny_checkpoint: Path) -> None:
     assert_one_line_error(run_cli("a", "--ckpt", "/nonexistent.gguf", "--quantize", "int4", "--group-size", "48"),
                           "group_size must be one of")
+
+
+def test_auto_on_a_tiny_context_shrinks_its_steps_and_lookahead_says_what_to_change(tmp_path: Path) -> None:
+    """Issue 10 (12): `--strategy auto -W 12` on a 32-token context answers (plain decoding's tokens, to the
+    context's end); explicit lookahead whose step cannot fit is one line naming the options, exit 2."""
+    folder = write_tiny_checkpoint(tmp_path, "a b c d hello world", max_positions=32)
+    common = ("a b c hello", "--ckpt", str(folder), "--max-new-tokens", "60", "--json")
+    plain = run_cli(*common, "--strategy", "autoregressive")
+    auto = run_cli(*common, "--strategy", "auto", "-W", "12")
+    assert plain.returncode == 0 and auto.returncode == 0, auto.stderr
+    assert json.loads(auto.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    assert json.loads(auto.stdout)["finish_reason"] == "context"
+    assert_one_line_error(run_cli(*common, "--strategy", "lookahead", "-W", "12"),
+                          "feeds up to 51 tokens, more than the model's whole context of 32; choose a smaller "
+                          "window (-W)")

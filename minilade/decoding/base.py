@@ -98,3 +98,14 @@ class Strategy(ABC):
     def max_step_tokens(self) -> int:
         """Most tokens one step puts through the model (the KV cache keeps this much room past the budget)."""
         return 1
+
+    def fit(self, context: int, room: int) -> "Strategy":
+        """This strategy, or a copy of it whose steps fit a generation with `room` of the model's `context`
+        positions left after the prompt. By default a step larger than the whole context is refused in one line
+        (near the context's end a decoder takes smaller steps itself); Auto shrinks its steps instead."""
+        step = self.max_step_tokens()
+        if step > context:
+            raise ValueError(f"one step of {self} feeds up to {step} tokens, more than the model's whole context "
+                             f"of {context}; choose a smaller window (-W), n-gram size (-N) or number of guesses "
+                             f"(-G), or strategy auto, which fits its steps to the context")
+        return self

@@ -17,9 +17,12 @@ from ..model import Transformer
 def measure_step_costs(model: Transformer, sizes: Iterable[int], *, context: int = 256, repeats: int = 3
                        ) -> dict[int, float]:
     """Median seconds of one forward pass of T tokens (all rows projected to the vocabulary) after `context`
-    committed tokens, for each T in sizes. Sizes are measured round-robin, after one warm-up pass each."""
+    committed tokens, for each T in sizes. Sizes are measured round-robin, after one warm-up pass each.
+    The context shrinks so that the steps' positions fit the model's; a step longer than that reuses positions
+    (its cost does not depend on them)."""
     sizes = sorted(set(sizes))
-    context = min(context, model.config.max_seq_len - max(sizes) - 1)
+    limit = model.config.max_seq_len
+    context = max(0, min(context, limit - max(sizes) - 1))
     gen = torch.Generator().manual_seed(0)
     cache = model.new_cache(context + max(sizes))
     device = model.device
@@ -35,7 +38,7 @@ def measure_step_costs(model: Transformer, sizes: Iterable[int], *, context: int
                 tokens = torch.randint(model.config.vocab_size, (1, T), generator=gen).to(device)
                 mask = torch.ones(T, T, dtype=torch.bool, device=device).tril_()
                 start = time.perf_counter()
-                model(tokens, torch.arange(context, context + T, device=device), cache, mask)
+                model(tokens, torch.arange(context, context + T, device=device) % limit, cache, mask)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 if rep:  # the first round is warm-up
