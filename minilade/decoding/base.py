@@ -67,7 +67,7 @@ class Decoder(ABC):
         rows = torch.tensor([n - 1], device=ctx.device)
         logits = ctx.model(tokens, torch.arange(n, device=ctx.device), ctx.cache, logits_rows=rows)
         ctx.cache.commit(n)
-        return Step(self.emit([int(ctx.sampler.pick(logits[0, -1]))]), "prefill", n)
+        return Step(self.emit([int(ctx.sampler.pick(ctx.sampler.penalize(logits[0, -1])))]), "prefill", n)
 
     @abstractmethod
     def step(self) -> Step:
@@ -75,6 +75,7 @@ class Decoder(ABC):
 
     def emit(self, block: list[int]) -> list[int]:
         self.ctx.tokens.extend(block)
+        self.ctx.sampler.observe(block)
         return block
 
     def single_step(self) -> Step:
@@ -84,7 +85,7 @@ class Decoder(ABC):
         tokens = torch.tensor([ctx.tokens[-1:]], device=ctx.device)
         logits = ctx.model(tokens, torch.tensor([pos], device=ctx.device), ctx.cache)
         ctx.cache.commit(1)
-        return Step(self.emit([int(ctx.sampler.pick(logits[0, -1]))]), "single", 1)
+        return Step(self.emit([int(ctx.sampler.pick(ctx.sampler.penalize(logits[0, -1])))]), "single", 1)
 
 
 class Strategy(ABC):

@@ -156,8 +156,9 @@ def decode_tokens(model: Transformer, prompt: Sequence[int], run: TokenRun, sett
     (see cache_for); nothing else may use it until the iterator is exhausted or closed.
     """
     check_prompt(prompt, model)
-    ctx = DecodeContext(model, cache_for(model, len(prompt), settings, cache), Sampler(settings.sampling, model.device),
-                        list(prompt), model.config.max_seq_len)
+    sampler = Sampler(settings.sampling, model.device, prompt, model.config.vocab_size)
+    ctx = DecodeContext(model, cache_for(model, len(prompt), settings, cache), sampler, list(prompt),
+                        model.config.max_seq_len)
     run.stats.strategy, run.stats.prompt_tokens = settings.strategy.name, len(prompt)
     with torch.inference_mode():
         decoder = fitted_strategy(model, len(prompt), settings).make_decoder(ctx)
