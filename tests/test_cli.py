@@ -57,7 +57,7 @@ def test_prompt_from_stdin_and_stats_on_stderr(tiny_checkpoint: Path) -> None:
     result = run_cli("--ckpt", str(tiny_checkpoint), "--max-new-tokens", "4", stdin="a b c")
     assert result.returncode == 0, result.stderr
     n = len(tokenizer(tiny_checkpoint).encode("a b c"))
-    assert "tok/s" in result.stderr and f"[autoregressive] prompt {n} tok" in result.stderr
+    assert "tok/s" in result.stderr and f"[auto] prompt {n} tok" in result.stderr
 
 
 @pytest.mark.parametrize("args,fact", [
@@ -109,7 +109,7 @@ def test_interactive_chat_keeps_the_conversation(tmp_path: Path) -> None:
     result = run_cli("--interactive", "--ckpt", str(folder), "--max-new-tokens", "3", "--system", "be brief",
                      stdin="hello\nworld\n\n")
     assert result.returncode == 0, result.stderr
-    summaries = [line for line in result.stderr.splitlines() if line.startswith("[autoregressive]")]
+    summaries = [line for line in result.stderr.splitlines() if line.startswith("[auto]")]
     assert len(summaries) == 2  # one reply per user turn, then the empty line ends the chat
     first, second = (int(line.split("prompt ")[1].split(" tok")[0]) for line in summaries)
     assert second > first  # the second turn's prompt holds the first exchange too
@@ -147,7 +147,7 @@ def test_interactive_chat_drops_the_oldest_turns_when_the_context_fills(tmp_path
     turns = "".join(f"hello world a b c d {i}\n" for i in range(6)) + "\n"
     result = run_cli("--interactive", "--ckpt", str(folder), "--max-new-tokens", "4", stdin=turns)
     assert result.returncode == 0, result.stderr
-    replies = [line for line in result.stderr.splitlines() if line.startswith("[autoregressive]")]
+    replies = [line for line in result.stderr.splitlines() if line.startswith("[auto]")]
     assert len(replies) == 6 and "dropped the oldest exchange" in result.stderr
     prompts = [int(line.split("prompt ")[1].split(" tok")[0]) for line in replies]
     assert max(prompts) <= 64 * 3 // 4
