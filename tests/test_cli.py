@@ -190,3 +190,16 @@ def test_auto_on_a_tiny_context_shrinks_its_steps_and_lookahead_says_what_to_cha
     assert_one_line_error(run_cli(*common, "--strategy", "lookahead", "-W", "12"),
                           "feeds up to 51 tokens, more than the model's whole context of 32; choose a smaller "
                           "window (-W)")
+
+
+@pytest.mark.parametrize("args,fact", [
+    (["--stop", ""], "stop strings must be non-empty"),
+    (["--temperature", "1", "--seed", str(2 ** 64)], "seed must be in [0, 2**64)"),
+    (["--repetition-penalty", "-1"], "repetition_penalty must be > 0"),
+])
+def test_bad_options_are_refused_before_the_checkpoint_is_even_looked_for(args: list[str], fact: str,
+                                                                         capsys) -> None:
+    """Issue 10 (12): a checkpoint that does not exist is never reached, so nothing was loaded first."""
+    assert main(["a", "--ckpt", "/nonexistent/model.gguf", *args]) == 2
+    err = capsys.readouterr().err
+    assert fact in err and "not found" not in err and len(err.strip().splitlines()) == 1

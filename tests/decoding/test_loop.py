@@ -61,6 +61,8 @@ def test_a_step_larger_than_the_context_is_refused_before_any_allocation() -> No
     model = tiny_model(vocab=12, seed=1)  # a context of 256 tokens
     with pytest.raises(ValueError, match=r"feeds up to 400004 tokens, more than the model's whole context of 256"):
         run_tokens(model, [1, 2, 3], Lookahead(window=100000, ngram=5, guesses=1))
+    with pytest.raises(ValueError, match=r"feeds up to 300015 tokens, more than the model's whole context of 256"):
+        run_tokens(model, [1, 2, 3], Lookahead(window=5, ngram=4, guesses=100000))
 
 
 def short_context_model(context: int = 32):
