@@ -41,14 +41,14 @@ class SamplingParams:
             value = getattr(self, name)
             if not _number(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value!r}")
-        if not 0.0 <= self.temperature < math.inf:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        if self.seed is not None and not 0 <= self.seed < 2 ** 64:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if not _number(self.temperature) or not 0.0 <= self.temperature < math.inf:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature!r}")
+        if not _whole(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, a whole number (0 = off), got {self.top_k!r}")
+        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if self.seed is not None and (not _whole(self.seed) or not 0 <= self.seed < 2 ** 64):
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed!r}")
         if self.temperature == 0.0 and (self.top_k or self.top_p < 1.0):
             raise ValueError("top_k and top_p apply only when sampling: set a temperature > 0 (0 means greedy)")
 
@@ -63,6 +63,10 @@ class SamplingParams:
 
 def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def penalize(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -79,3 +79,14 @@ def test_penalties_by_hand() -> None:
     # Row 0 follows the draft's first 3 (seen once), row 1 its second (seen twice): each with its own history.
     assert rows[0, 0].tolist() == [0.25, -4.0, 1.0, 1.5 - 0.5 - 0.25]
     assert rows[0, 1].tolist() == [0.25, -4.0, 1.0, 1.5 - 1.0 - 0.25]
+
+
+@pytest.mark.parametrize("kwargs,fact", [
+    (dict(temperature="0.5"), "temperature must be >= 0"), (dict(temperature=1.0, top_k=2.5), "top_k must be >= 0"),
+    (dict(temperature=1.0, top_p=[]), r"top_p must be in \(0, 1\]"), (dict(seed=1.5), "seed must be in"),
+    (dict(temperature=True), "temperature must be"),
+])
+def test_values_of_the_wrong_type_are_value_errors(kwargs: dict, fact: str) -> None:
+    """Found by the fuzzer through generation_config.json (a TypeError from a comparison before)."""
+    with pytest.raises(ValueError, match=fact):
+        SamplingParams(**kwargs)

@@ -64,8 +64,6 @@ def defaults_from_hf(data: Mapping[str, Any]) -> dict[str, Any]:
 def check_sampling(options: Mapping[str, Any]) -> None:
     """A one-line ValueError unless each option is a valid value of its SamplingParams field (the combination
     is checked once the defaults are merged: `--top-k 5` alone may meet a checkpoint that samples)."""
-    if isinstance(options.get("top_k"), bool) or not isinstance(options.get("top_k", 0), int):
-        raise ValueError(f"top_k must be a whole number >= 0 (0 = off), got {options['top_k']!r}")
     sampling = {"temperature": 1.0, **options} if any(k in options for k in SAMPLING_ONLY) else dict(options)
     SamplingParams(**sampling)
 

@@ -39,7 +39,8 @@ def test_caller_options_override_and_greedy_drops_sampling_only_defaults() -> No
     ('{"do_sample": true, "temperature": -1}', "temperature must be >= 0"),
     ('{"do_sample": "yes"}', "do_sample must be true or false"),
     ('{"repetition_penalty": 0}', "repetition_penalty must be > 0"),
-    ('{"do_sample": true, "top_k": 2.5}', "top_k must be a whole number"),
+    ('{"do_sample": true, "top_k": 2.5}', "top_k must be >= 0, a whole number"),
+    ('{"do_sample": true, "top_p": []}', r"top_p must be in \(0, 1\]"),
 ])
 def test_a_bad_file_is_one_line_naming_it(tmp_path: Path, text: str, fact: str) -> None:
     (tmp_path / "generation_config.json").write_text(text)
