@@ -135,7 +135,9 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 class Sampler:
-    """Chooses tokens for one generation. All randomness comes from one seeded torch.Generator."""
+    """Chooses tokens for one generation. All randomness comes from one seeded torch.Generator.
+    pick and probs take logits as they are: a decoder penalizes them first (penalize), since only it knows which
+    history each row follows."""
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu", prompt: Sequence[int] = (),
                  vocab_size: int = 0) -> None:
