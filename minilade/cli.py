@@ -7,12 +7,15 @@ argument or from stdin; --interactive starts a chat. Errors are one line on stde
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from typing import Sequence
 
 from .checkpoints import DEFAULT_CHECKPOINT, default_weights_dir
+from .checkpoints.generation_config import check_sampling, merge_sampling
+from .checkpoints.support import describe_support
 from .decoding import STRATEGIES, GenerationSettings, make_strategy
 from .errors import CheckpointError, TokenizerError, UnsupportedModelError
 from .llm import LLM, Generation, TextStream
@@ -27,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minilade.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted)")
+    p.add_argument("--list-models", action="store_true",
+                   help="list the model families, rope scalings, GGUF tensor types and vocabularies minilade runs, "
+                        "and exit")
     p.add_argument("--ckpt", default=DEFAULT_CHECKPOINT,
                    help=f"a .gguf file, a folder with config.json + safetensors, a Hugging Face repo id "
                         f"(owner/name[@revision]), or {DEFAULT_CHECKPOINT} (default; downloaded on first use)")
@@ -35,15 +41,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interactive", "-i", action="store_true", help="chat turn by turn on the terminal")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not included in the output")
-    g = p.add_argument_group("sampling (temperature 0 = greedy)")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g = p.add_argument_group("sampling (default: the checkpoint's generation_config.json, else greedy without "
+                             "penalties; each option overrides it)")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None, help="0 = off")
+    g.add_argument("--top-p", type=float, default=None, help="1 = off")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 0; divides a positive logit (multiplies a negative one) of every token already in the text "
+                        "(1 = off)")
+    g.add_argument("--presence-penalty", type=float, default=None, help="in [-2, 2]; off 0")
+    g.add_argument("--frequency-penalty", type=float, default=None, help="in [-2, 2], per occurrence; off 0")
     g.add_argument("--seed", type=int, default=None)
     s = p.add_argument_group("decoding strategy")
-    s.add_argument("--strategy", choices=list(STRATEGIES), default="autoregressive",
-                   help="auto: lookahead shaped step by step from the measured cost of a step on this machine "
-                        "(W, N, G then bound the largest step); plain decoding where lookahead does not pay")
+    s.add_argument("--strategy", choices=list(STRATEGIES), default="auto",
+                   help="auto (default): lookahead shaped step by step from the measured cost of a step on this "
+                        "machine (W, N, G then bound the largest step), plain decoding where lookahead does not pay; "
+                        "autoregressive: plain decoding, one token per forward pass")
     s.add_argument("--window", "-W", type=int, default=5, help="lookahead window W (columns)")
     s.add_argument("--ngram", "-N", type=int, default=4, help="lookahead n-gram size N")
     s.add_argument("--guesses", "-G", type=int, default=5, help="lookahead candidates verified per step G")
@@ -74,8 +87,19 @@ def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
     strategy = make_strategy(args.strategy, window=args.window, ngram=args.ngram, guesses=args.guesses,
                              pool_from_prompt=not args.no_prompt_pool,
                              cost_file=str(default_weights_dir() / "step_costs.json"), **drafts)
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    return GenerationSettings(strategy, sampling, args.max_new_tokens, tuple(args.stop))
+    check_sampling(sampling_options(args))
+    return GenerationSettings(strategy, SamplingParams(), args.max_new_tokens, tuple(args.stop))
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """The sampling options given on the command line (None: not given, the checkpoint's default applies)."""
+    names = ("temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def with_checkpoint_defaults(llm: LLM, args: argparse.Namespace, settings: GenerationSettings) -> GenerationSettings:
+    """The settings once the checkpoint is loaded: its generation defaults under the options given."""
+    return dataclasses.replace(settings, sampling=merge_sampling(llm.generation_defaults, sampling_options(args)))
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -143,6 +167,9 @@ def encode_recent_turns(llm: LLM, messages: list[dict[str, str]]) -> list[int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.list_models:
+        print(describe_support())
+        return 0
     try:
         settings = settings_from_args(args)
         if args.quantize is not None:
@@ -150,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         llm = LLM.load(args.ckpt, dtype=args.dtype, device=args.device, quantize=args.quantize,
                        group_size=args.group_size, check_file=default_weights_dir() / "invariance.json",
                        tensor_parallel=launched_with_ranks(os.environ))
+        settings = with_checkpoint_defaults(llm, args, settings)
         with quiet_unless_leader(llm.model):  # under torchrun, only rank 0 writes
             if args.interactive:
                 run_interactive(llm, args, settings)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .checkpoints import DEFAULT_CHECKPOINT, Checkpoint, build_model, open_checkpoint
+from .checkpoints.generation_config import merge_sampling, read_generation_defaults
 from .checkpoints.gguf_quant import gguf_int4_weights
 from .checkpoints.hf import config_from_hf
 from .decoding import GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens, make_strategy
@@ -31,7 +32,6 @@ from .kv_cache import KVCache
 from .model import Transformer
 from .parallel import load_shard
 from .quant import check_options, linear_modules, map_rows, quantize_linears
-from .sampling import SamplingParams
 from .tokenizer import StreamDecoder, Tokenizer
 
 Messages = list[dict[str, str]]
@@ -52,10 +52,14 @@ class Generation:
 
 
 class LLM:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, name: str = "") -> None:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, name: str = "",
+                 generation_defaults: dict[str, Any] | None = None) -> None:
+        """generation_defaults: the checkpoint's own sampling settings (checkpoints/generation_config.py),
+        used for every option a generation does not set."""
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
+        self.generation_defaults = dict(generation_defaults or {})
         self._spare_cache: KVCache | None = None  # reused by the next generation; None while one holds it
 
     @classmethod
@@ -88,16 +92,19 @@ class LLM:
         checkpoint = open_checkpoint(ckpt if ckpt is not None else DEFAULT_CHECKPOINT, progress=progress)
         metadata = checkpoint.source.metadata if checkpoint.format == "gguf" else None
         tokenizer = Tokenizer.from_checkpoint(checkpoint.path, gguf_metadata=metadata)
+        defaults = read_generation_defaults(checkpoint.path)
         model = checkpoint.load_model(dtype=dtype, device=device)
         file_codes = quantize == "int4" and group_size == 32 and checkpoint.format == "gguf"
         blocks = gguf_codes(checkpoint, model, tokenizer.vocab_size) if file_codes else {}
-        return cls.prepared(model, tokenizer, str(checkpoint.path), exact=exact, measure_dtype=measure_dtype,
-                            check_file=check_file, quantize=quantize, group_size=group_size, blocks=blocks)
+        llm = cls.prepared(model, tokenizer, str(checkpoint.path), exact=exact, measure_dtype=measure_dtype,
+                           check_file=check_file, quantize=quantize, group_size=group_size, blocks=blocks)
+        llm.generation_defaults = defaults
+        return llm
 
     @classmethod
     def from_transformers(cls, model: Any, tokenizer: Any, *, dtype: str | torch.dtype | None = None,
                           device: str | torch.device | None = None, exact: bool = True) -> LLM:
-        """An LLM over a loaded transformers LlamaForCausalLM or MistralForCausalLM and its tokenizer.
+        """An LLM over a loaded transformers LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM and its tokenizer.
 
         Weights are taken, not re-read from disk: where dtype and device stay those of the transformers model
         (the default), the embedding, norms and output projections are the very same tensors, and only q/k/v and
@@ -163,14 +170,20 @@ class LLM:
         return stream.result
 
     def stream(self, prompt: Prompt, *, chat: bool = False, system: str | None = None, max_new_tokens: int = 256,
-               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               stop: Sequence[str] | str = (), strategy: Strategy | str = "autoregressive") -> TextStream:
+               temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+               repetition_penalty: float | None = None, presence_penalty: float | None = None,
+               frequency_penalty: float | None = None, seed: int | None = None, stop: Sequence[str] | str = (),
+               strategy: Strategy | str = "auto") -> TextStream:
         """An iterator of text pieces; its .result holds the Generation once it is exhausted.
-        Settings and prompt are checked here, before anything runs."""
+        Sampling options left None take the checkpoint's generation defaults (self.generation_defaults), else
+        greedy decoding without penalties (sampling.SamplingParams says what each means). The default strategy,
+        auto, is lookahead shaped from measured step costs (plain decoding's output, or its distribution when
+        sampling); "autoregressive" is plain decoding. Settings and prompt are checked here, before anything runs."""
+        given = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
         settings = GenerationSettings(
             strategy=make_strategy(strategy) if isinstance(strategy, str) else strategy,
-            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
-            max_new_tokens=max_new_tokens, stop=stop)
+            sampling=merge_sampling(self.generation_defaults, given), max_new_tokens=max_new_tokens, stop=stop)
         return TextStream(self, self.encode(prompt, chat=chat, system=system), settings)
 
 

@@ -42,14 +42,23 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rope_tables(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: (max_seq_len, head_dim) in the rotate-half layout (each frequency serves both halves).
-    sin is stored with its first half negated, so that rotate_half(x) * sin == roll(x, D/2) * sin_signed."""
-    positions = torch.arange(config.max_seq_len, dtype=torch.float32)
+def rope_tables(config: ModelConfig, length: int, dtype: torch.dtype, device: torch.device | str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: (length, head_dim) for positions [0, length), in the rotate-half layout (each frequency serves
+    both halves). sin is stored with its first half negated, so that rotate_half(x) * sin == roll(x, D/2) *
+    sin_signed. A row depends only on its position: any length gives the same rows bit for bit."""
+    positions = torch.arange(length, dtype=torch.float32)
     freqs = torch.outer(positions, rope_inv_freq(config))  # (S, D/2)
     cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1)
     sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)
     return cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)
+
+
+def rope_rows(config: ModelConfig, positions: int) -> int:
+    """Rows to build so that `positions` positions are covered: a power of two (at least 64; growth stays rare and
+    cos/sin run whole SIMD blocks, so rows are computed as in a table of the full context), capped at the
+    model's context, whose last position is the last a rotary table ever needs."""
+    return min(config.max_seq_len, max(64, 1 << max(0, positions - 1).bit_length()))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -155,17 +164,41 @@ class Transformer(nn.Module):
         load, unless `batch_invariant` was switched off (stock kernels, for kernel benchmarks)."""
         return self.batch_invariant and self.device.type == "cpu"
 
-    def setup_rope(self) -> None:
-        """(Re)build the rotary tables on the weights' device and dtype; call after moving the model."""
-        self.rope_cos, self.rope_sin = rope_tables(self.config, self.dtype, self.device)
+    def setup_rope(self, positions: int = 0) -> None:
+        """(Re)build the rotary tables on the weights' device and dtype, covering at least `positions` positions
+        and those they covered before; call after moving the model. The tables grow with the caches made
+        (new_cache, forward), never to the whole context up front: a header may claim 2^21 positions."""
+        have = 0 if self.rope_cos is None else self.rope_cos.shape[0]
+        self.rope_cos, self.rope_sin = rope_tables(self.config, rope_rows(self.config, max(have, positions)),
+                                                   self.dtype, self.device)
 
     def new_cache(self, capacity: int | None = None, batch_size: int = 1) -> KVCache:
-        """On the CPU (batch-invariant decoding steps) the cache keeps the padded layout and attention's work
-        dtype (bfloat16 keys and values stored exactly in float32, read without a copy)."""
+        """A KV cache of `capacity` slots (default: the whole context); the rotary tables grow to match. On the
+        CPU (batch-invariant decoding steps) the cache keeps the padded layout and attention's work dtype
+        (bfloat16 keys and values stored exactly in float32, read without a copy)."""
+        capacity = capacity or self.config.max_seq_len
+        self.cover_positions(capacity)
         invariant = self.invariant_steps
-        return KVCache(self.config, capacity or self.config.max_seq_len, batch_size=batch_size,
+        return KVCache(self.config, capacity, batch_size=batch_size,
                        dtype=work_dtype(self.dtype) if invariant else self.dtype, device=self.device,
                        padded=invariant)
+
+    def cover_positions(self, positions: int) -> None:
+        """Grow the rotary tables (when needed) to cover positions [0, positions), up to the model's context."""
+        if self.rope_cos is None or self.rope_cos.shape[0] < min(positions, self.config.max_seq_len):
+            self.setup_rope(positions)
+
+    def rotary(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for input_pos (B|1, T): (B|1, T, 1, D). A position outside the tables is a ValueError (checked
+        where positions live on the host; on an accelerator the lookup itself asserts)."""
+        rows = self.rope_cos.shape[0]
+        if input_pos.device.type == "cpu" and input_pos.numel():
+            low, high = (int(v) for v in torch.aminmax(input_pos))
+            if low < 0 or high >= rows:
+                where = f"the model's context of {rows} positions" if rows == self.config.max_seq_len else \
+                    f"the rotary tables ({rows} positions; model.new_cache(capacity) grows them)"
+                raise ValueError(f"rotary position {low if low < 0 else high} is outside {where}")
+        return self.rope_cos[input_pos].unsqueeze(2), self.rope_sin[input_pos].unsqueeze(2)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
                 mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,7 +215,8 @@ class Transformer(nn.Module):
         cache.check_room(T)
         if input_pos.dim() == 1:
             input_pos = input_pos.unsqueeze(0)
-        cos, sin = self.rope_cos[input_pos].unsqueeze(2), self.rope_sin[input_pos].unsqueeze(2)  # (B|1, T, 1, D)
+        self.cover_positions(cache.capacity)
+        cos, sin = self.rotary(input_pos)  # (B|1, T, 1, D)
         attn_mask = self.attention_mask(mask, cache.length, T, input_pos)
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):

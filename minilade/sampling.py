@@ -1,41 +1,115 @@
-"""Turning logits into tokens: greedy choice, and sampling with temperature, top-k and top-p.
+"""Turning logits into tokens: penalties for repeating, then greedy choice or sampling with temperature, top-k
+and top-p.
 
 The warping lives in one function, `warp`, used by autoregressive decoding and by lookahead verification alike,
-so both draw from exactly the same distribution.
+so both draw from exactly the same distribution. The penalties live in one function too, `penalize`, and depend
+on the history before the token being chosen: for a verified draft row that is the committed text plus the
+draft's own tokens up to that row (TokenHistory.penalize with drafts), so lookahead stays exact under them.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy decoding (top_k and top_p are then ignored). top_k 0 and top_p 1 mean off."""
+    """temperature 0 means greedy decoding (top_k and top_p are then ignored). top_k 0 and top_p 1 mean off.
+
+    Penalties, applied to the logits before anything else, greedy or sampling (1, 0, 0: off):
+    repetition_penalty (Hugging Face): a token already in the prompt or the output has its logit divided by it
+    when positive, multiplied when negative. presence_penalty, frequency_penalty (OpenAI, in [-2, 2]): a token's
+    logit loses presence_penalty once if it occurs in the output, and frequency_penalty per occurrence.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.temperature < math.inf:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        if self.seed is not None and not 0 <= self.seed < 2 ** 64:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if not _number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be > 0 and finite (1 = off), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value!r}")
+        if not _number(self.temperature) or not 0.0 <= self.temperature < math.inf:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature!r}")
+        if not _whole(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, a whole number (0 = off), got {self.top_k!r}")
+        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if self.seed is not None and (not _whole(self.seed) or not 0 <= self.seed < 2 ** 64):
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed!r}")
         if self.temperature == 0.0 and (self.top_k or self.top_p < 1.0):
             raise ValueError("top_k and top_p apply only when sampling: set a temperature > 0 (0 means greedy)")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits (..., V) after the penalties, float32. seen: (..., V) bool, the token occurs in the prompt or the
+    output before this row; counts: (..., V) float, its occurrences in the output. Elementwise only, so a row's
+    result does not depend on how many rows are penalized with it."""
+    logits = logits.float()
+    p = params.repetition_penalty
+    if p != 1.0:
+        logits = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+    if params.frequency_penalty:
+        logits = logits - params.frequency_penalty * counts
+    if params.presence_penalty:
+        logits = logits - params.presence_penalty * (counts > 0).float()
+    return logits
+
+
+class TokenHistory:
+    """What the penalties need to know about one generation's text, kept on the device: which tokens occur in it
+    (prompt included) and how often each occurs in the output."""
+
+    def __init__(self, params: SamplingParams, prompt: Sequence[int], vocab_size: int,
+                 device: torch.device | str) -> None:
+        self.params = params
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        self.seen[torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Output tokens, in order."""
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.counts.device)
+        self.seen[ids] = True
+        self.counts.index_add_(0, ids, torch.ones(len(ids), device=self.counts.device))
+
+    def penalize(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """logits: (V',) the next token's after the history; or, with drafts (g, K) proposed to follow it,
+        (g, K, V') where row [j, i] follows draft j's tokens 0..i, which then count as output too."""
+        V = logits.shape[-1]  # the output head may be cut short of the vocabulary (llm.drop_padded_logits)
+        seen, counts = self.seen[:V], self.counts[:V]
+        if drafts is not None:
+            extra = torch.nn.functional.one_hot(drafts.clamp(0, V - 1), V).cumsum(1).float()  # (g, K, V)
+            seen, counts = seen | (extra > 0), counts + extra
+        return penalize(logits, seen, counts, self.params)
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -61,10 +135,15 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 class Sampler:
-    """Chooses tokens for one generation. All randomness comes from one seeded torch.Generator."""
+    """Chooses tokens for one generation. All randomness comes from one seeded torch.Generator.
+    pick and probs take logits as they are: a decoder penalizes them first (penalize), since only it knows which
+    history each row follows."""
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu", prompt: Sequence[int] = (),
+                 vocab_size: int = 0) -> None:
+        """prompt, vocab_size: the history the penalties start from (needed only when params set one)."""
         self.params = params
+        self.history = TokenHistory(params, prompt, vocab_size, device) if params.penalized else None
         self.generator = torch.Generator(device=device)
         if params.seed is None:
             self.generator.seed()
@@ -74,6 +153,16 @@ class Sampler:
     @property
     def greedy(self) -> bool:
         return self.params.greedy
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        """Tokens emitted (the penalties' history grows; nothing to do without penalties)."""
+        if self.history is not None:
+            self.history.add(tokens)
+
+    def penalize(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits after the penalties (TokenHistory.penalize); the very same tensor when none is set, so
+        the plain path does no extra work."""
+        return logits if self.history is None else self.history.penalize(logits, drafts)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         return warp(logits, self.params)

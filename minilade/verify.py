@@ -37,7 +37,8 @@ def sample_verify(probs0: torch.Tensor, candidates: torch.Tensor, cand_logits: t
                   lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lossless verification of deterministic drafts under sampling (Lookahead Decoding, Algorithm 4).
 
-    probs0: (V,) the warped distribution after x. cand_logits: (g, K, V) raw logits after each candidate token.
+    probs0: (V,) the warped distribution after x. cand_logits: (g, K, V) the logits after each candidate token
+    (penalized, when penalties are set, with that row's own history: the committed text and the candidate so far).
     At each position the distinct tokens of the candidates still alive are tried in candidate order: token t is
     accepted with probability p(t); on rejection its mass is removed and p renormalised before the next one.
     After an acceptance only candidates that share the token stay alive and p becomes the model's distribution

@@ -5,8 +5,9 @@
 Two tiny checkpoints are written from random weights -- a GGUF file (gguf's writer, F32 and Q8_0 tensors, a
 token vocabulary) and a safetensors folder (config.json + model.safetensors) -- and then mutated, one mutation
 per load: header integers (counts, lengths, types, dimensions, offsets, metadata values) set to edge values,
-metadata and config.json values retyped, safetensors header entries rewritten, bytes flipped, files truncated.
-Each mutated checkpoint is opened and its model built (minilade.checkpoints.open_checkpoint, load_model). The
+metadata and config.json values retyped, safetensors header entries rewritten, bytes flipped, files truncated, a
+generation_config.json with odd values. Each mutated checkpoint is opened, its model built and its generation
+defaults read (minilade.checkpoints.open_checkpoint, load_model, read_generation_defaults). The
 outcome must be a load, or a ValueError subclass from minilade.errors whose message is one line naming the file,
 within --seconds; anything else (another exception type, a timeout, a multi-line message) is a failure.
 tests/checkpoints/test_fuzz.py runs a few hundred mutations; this script the longer runs. Exit status 1 when any
@@ -37,6 +38,8 @@ from safetensors.numpy import save_file
 
 from minilade import errors
 from minilade.checkpoints import expected_tensor_shapes, open_checkpoint
+from minilade.checkpoints.generation_config import FILE as GENERATION_CONFIG
+from minilade.checkpoints.generation_config import read_generation_defaults
 from minilade.checkpoints.names import gguf_name
 from minilade.config import ModelConfig
 
@@ -109,6 +112,7 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
 
 def write_safetensors(folder: Path, config: dict[str, Any], weights: bytes) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / GENERATION_CONFIG).unlink(missing_ok=True)  # only generation_config_value writes one
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "model.safetensors").write_bytes(weights)
     return folder
@@ -278,8 +282,26 @@ def config_value(b: Bases, rng: random.Random) -> tuple[str, Path]:
     return _folder(b, config, b.st_bytes, f"config.json {key} := {value!r}")
 
 
+def generation_config_value(b: Bases, rng: random.Random) -> tuple[str, Path]:
+    """A generation_config.json beside the unmutated safetensors, with one odd value (or not JSON at all)."""
+    folder = write_safetensors(b.work / "st", b.config, b.st_bytes)
+    data = {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
+    key = rng.choice([*data, "text"])
+    value = rng.choice(ODD_VALUES + ("drop",))
+    if key == "text":
+        (folder / GENERATION_CONFIG).write_text(rng.choice(["{", "[]", "null", "\x00", ""]))
+        return "generation_config.json not an object", folder
+    if value == "drop":
+        del data[key]
+    else:
+        data[key] = value
+    (folder / GENERATION_CONFIG).write_text(json.dumps(data))
+    return f"generation_config.json {key} := {value!r}", folder
+
+
 MUTATIONS: tuple[Callable[[Bases, random.Random], tuple[str, Path]], ...] = (
-    gguf_integer, gguf_integer, gguf_retype, byte_flip, truncate, safetensors_header, config_value)
+    gguf_integer, gguf_integer, gguf_retype, byte_flip, truncate, safetensors_header, config_value,
+    generation_config_value)
 
 
 def _save(b: Bases, name: str, data: bytes | bytearray, description: str) -> tuple[str, Path]:
@@ -318,6 +340,7 @@ def judge(description: str, path: Path, seconds: float) -> Outcome:
     try:
         checkpoint = open_checkpoint(path, progress=False)
         checkpoint.load_model(dtype=torch.float32, device="cpu")
+        read_generation_defaults(checkpoint.path)
         result, detail = "loaded", f"{checkpoint.config.n_layers} layers"
     except CLEAN_ERRORS as exc:
         message = str(exc)

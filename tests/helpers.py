@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 from typing import Sequence
@@ -11,7 +12,7 @@ import torch
 from minilade.config import ModelConfig
 from minilade.decoding import GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens
 from minilade.model import Transformer
-from minilade.sampling import SamplingParams, warp
+from minilade.sampling import SamplingParams, TokenHistory, warp
 
 
 def tiny_model(vocab: int = 16, seed: int = 0, std: float = 0.3, preset: str = "tiny-gqa",
@@ -71,6 +72,10 @@ def exact_distribution(model: Transformer, params: SamplingParams) -> dict[tuple
             for prefix, p in probs.items():
                 tokens = torch.tensor([PROMPT + list(prefix)])
                 logits = model(tokens, torch.arange(tokens.shape[1]), model.new_cache(32))[0, -1]
+                if params.penalized:  # with the history plain decoding has at this point
+                    history = TokenHistory(params, PROMPT, vocab, "cpu")
+                    history.add(prefix)
+                    logits = history.penalize(logits)
                 nxt = warp(logits, params)
                 grown.update({prefix + (t,): p * float(nxt[t]) for t in range(vocab) if nxt[t] > 0})
             probs = grown
@@ -102,7 +107,7 @@ def sample_counts(model: Transformer, strategy: Strategy, params: SamplingParams
     counts, steps_with_acceptance = Counter(), 0
     for seed in range(n):
         tokens, run = run_tokens(model, PROMPT, strategy, max_new_tokens=LENGTH,
-                                 sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed))
+                                 sampling=dataclasses.replace(params, seed=seed))
         counts[tuple(tokens)] += 1
         steps_with_acceptance += sum(c for k, c in run.stats.tokens_per_step.items() if k > 1)
     return counts, steps_with_acceptance

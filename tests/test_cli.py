@@ -57,7 +57,7 @@ def test_prompt_from_stdin_and_stats_on_stderr(tiny_checkpoint: Path) -> None:
     result = run_cli("--ckpt", str(tiny_checkpoint), "--max-new-tokens", "4", stdin="a b c")
     assert result.returncode == 0, result.stderr
     n = len(tokenizer(tiny_checkpoint).encode("a b c"))
-    assert "tok/s" in result.stderr and f"[autoregressive] prompt {n} tok" in result.stderr
+    assert "tok/s" in result.stderr and f"[auto] prompt {n} tok" in result.stderr
 
 
 @pytest.mark.parametrize("args,fact", [
@@ -109,7 +109,7 @@ def test_interactive_chat_keeps_the_conversation(tmp_path: Path) -> None:
     result = run_cli("--interactive", "--ckpt", str(folder), "--max-new-tokens", "3", "--system", "be brief",
                      stdin="hello\nworld\n\n")
     assert result.returncode == 0, result.stderr
-    summaries = [line for line in result.stderr.splitlines() if line.startswith("[autoregressive]")]
+    summaries = [line for line in result.stderr.splitlines() if line.startswith("[auto]")]
     assert len(summaries) == 2  # one reply per user turn, then the empty line ends the chat
     first, second = (int(line.split("prompt ")[1].split(" tok")[0]) for line in summaries)
     assert second > first  # the second turn's prompt holds the first exchange too
@@ -147,7 +147,7 @@ def test_interactive_chat_drops_the_oldest_turns_when_the_context_fills(tmp_path
     turns = "".join(f"hello world a b c d {i}\n" for i in range(6)) + "\n"
     result = run_cli("--interactive", "--ckpt", str(folder), "--max-new-tokens", "4", stdin=turns)
     assert result.returncode == 0, result.stderr
-    replies = [line for line in result.stderr.splitlines() if line.startswith("[autoregressive]")]
+    replies = [line for line in result.stderr.splitlines() if line.startswith("[auto]")]
     assert len(replies) == 6 and "dropped the oldest exchange" in result.stderr
     prompts = [int(line.split("prompt ")[1].split(" tok")[0]) for line in replies]
     assert max(prompts) <= 64 * 3 // 4
@@ -175,3 +175,38 @@ def test_quantized_lookahead_equals_quantized_plain_decoding(tiny_checkpoint: Pa
 def test_bad_group_size_fails_before_loading(tiny_checkpoint: Path) -> None:
     assert_one_line_error(run_cli("a", "--ckpt", "/nonexistent.gguf", "--quantize", "int4", "--group-size", "48"),
                           "group_size must be one of")
+
+
+def test_auto_on_a_tiny_context_shrinks_its_steps_and_lookahead_says_what_to_change(tmp_path: Path) -> None:
+    """Issue 10 (12): `--strategy auto -W 12` on a 32-token context answers (plain decoding's tokens, to the
+    context's end); explicit lookahead whose step cannot fit is one line naming the options, exit 2."""
+    folder = write_tiny_checkpoint(tmp_path, "a b c d hello world", max_positions=32)
+    common = ("a b c hello", "--ckpt", str(folder), "--max-new-tokens", "60", "--json")
+    plain = run_cli(*common, "--strategy", "autoregressive")
+    auto = run_cli(*common, "--strategy", "auto", "-W", "12")
+    assert plain.returncode == 0 and auto.returncode == 0, auto.stderr
+    assert json.loads(auto.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    assert json.loads(auto.stdout)["finish_reason"] == "context"
+    assert_one_line_error(run_cli(*common, "--strategy", "lookahead", "-W", "12"),
+                          "feeds up to 51 tokens, more than the model's whole context of 32; choose a smaller "
+                          "window (-W)")
+
+
+@pytest.mark.parametrize("args,fact", [
+    (["--stop", ""], "stop strings must be non-empty"),
+    (["--temperature", "1", "--seed", str(2 ** 64)], "seed must be in [0, 2**64)"),
+    (["--repetition-penalty", "-1"], "repetition_penalty must be > 0"),
+])
+def test_bad_options_are_refused_before_the_checkpoint_is_even_looked_for(args: list[str], fact: str,
+                                                                         capsys) -> None:
+    """Issue 10 (12): a checkpoint that does not exist is never reached, so nothing was loaded first."""
+    assert main(["a", "--ckpt", "/nonexistent/model.gguf", *args]) == 2
+    err = capsys.readouterr().err
+    assert fact in err and "not found" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_list_models_prints_the_support_table_without_a_checkpoint(capsys) -> None:
+    from minilade.checkpoints.support import describe_support
+    assert main(["--list-models", "--ckpt", "/nonexistent.gguf"]) == 0  # never looks for a checkpoint
+    out = capsys.readouterr().out
+    assert out == describe_support() + "\n" and "Qwen2" in out and "Q6_K" in out

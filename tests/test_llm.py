@@ -100,7 +100,7 @@ def test_token_ids_text_and_chat_prompts(llm: LLM) -> None:
 
 
 def test_lookahead_through_the_library_equals_plain_decoding(llm: LLM) -> None:
-    plain = llm.generate("the cat sat on the mat the cat", max_new_tokens=40)
+    plain = llm.generate("the cat sat on the mat the cat", max_new_tokens=40, strategy="autoregressive")
     fast = llm.generate("the cat sat on the mat the cat", max_new_tokens=40, strategy=Lookahead(3, 3, 3))
     assert fast.token_ids == plain.token_ids and fast.text == plain.text
     assert fast.stats.strategy == "lookahead" and plain.stats.compression == pytest.approx(40 / 40)
@@ -123,3 +123,11 @@ def test_from_transformers_equals_loading_the_same_weights_from_disk(tmp_path: P
     assert bridged.model.tok_embeddings.weight.data_ptr() == hf_model.model.embed_tokens.weight.data_ptr()
     assert bridged.model.layers[0].attention.wo.weight.data_ptr() == \
         hf_model.model.layers[0].self_attn.o_proj.weight.data_ptr()
+
+
+def test_the_default_strategy_is_auto_with_plain_decodings_output(llm: LLM) -> None:
+    """Issue 11: the strategy this project exists for is the default; plain decoding is one option away."""
+    default = llm.generate("the cat sat on the mat the cat", max_new_tokens=30)
+    plain = llm.generate("the cat sat on the mat the cat", max_new_tokens=30, strategy="autoregressive")
+    assert default.stats.strategy == "auto" and plain.stats.strategy == "autoregressive"
+    assert default.token_ids == plain.token_ids

@@ -134,3 +134,43 @@ def test_sliding_window_hides_keys_older_than_the_window() -> None:
             runs.append(torch.cat([prefill, torch.stack(steps)]))
     assert torch.equal(runs[0][reach + 1:], runs[1][reach + 1:])
     assert not torch.equal(runs[0][reach], runs[1][reach])
+
+
+def full_context_tables(config) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables as minilade built them before they grew lazily: every position of the context at once."""
+    from minilade.model import rope_inv_freq
+    freqs = torch.outer(torch.arange(config.max_seq_len, dtype=torch.float32), rope_inv_freq(config))
+    return torch.cat([freqs.cos(), freqs.cos()], -1), torch.cat([-freqs.sin(), freqs.sin()], -1)
+
+
+@pytest.mark.parametrize("preset,changes", [("tiny-mha", {}), ("tiny-gqa", {"head_dim": 6, "rope_theta": 5e5}),
+                                            ("smollm2-135m", {})])
+def test_lazy_rotary_rows_equal_full_context_tables_bit_for_bit(preset: str, changes: dict) -> None:
+    """Issue 10 (3): tables sized to the caches made, each row what the full-context table holds (head_dim 6
+    and 8 leave vector tails in the full table's cos/sin; 64 is the real model's)."""
+    from minilade.config import ModelConfig
+    from minilade.model import rope_rows, rope_tables
+    config = ModelConfig.preset(preset).replace(max_seq_len=1000, **changes)
+    cos_full, sin_full = full_context_tables(config)
+    for capacity in (1, 5, 64, 65, 300, 999, 1000, 1100):
+        rows = rope_rows(config, capacity)
+        assert min(capacity, 1000) <= rows <= min(max(64, 2 * capacity), 1000)
+        cos, sin = rope_tables(config, rows, torch.float32, "cpu")
+        assert torch.equal(cos, cos_full[:rows]) and torch.equal(sin, sin_full[:rows])
+
+
+def test_a_huge_declared_context_builds_small_tables_and_positions_past_them_are_errors() -> None:
+    from minilade.config import MAX_CONTEXT, ModelConfig
+    from minilade.model import Transformer
+    model = Transformer(ModelConfig.preset("tiny-mha").replace(vocab_size=16, max_seq_len=MAX_CONTEXT)).init_random()
+    assert model.rope_cos.shape[0] == 64  # not 2^21 rows (about 1 GB at head_dim 128)
+    cache = model.new_cache(100)
+    assert model.rope_cos.shape[0] == 128
+    with torch.no_grad(), pytest.raises(ValueError, match="rotary position 500 is outside the rotary tables"):
+        model(torch.zeros(1, 2, dtype=torch.long), torch.tensor([0, 500]), cache)
+    small = tiny_model(vocab=16)  # context 256 (tiny presets)
+    with torch.no_grad(), pytest.raises(ValueError, match="rotary position -1 is outside"):
+        small(torch.zeros(1, 1, dtype=torch.long), torch.tensor([-1]), small.new_cache(8))
+    context = small.config.max_seq_len
+    with torch.no_grad(), pytest.raises(ValueError, match=f"position {context} is outside the model's context"):
+        small(torch.zeros(1, 1, dtype=torch.long), torch.tensor([context]), small.new_cache(context + 8))

@@ -62,3 +62,31 @@ def test_sampling_touches_no_global_rng() -> None:
     state = torch.get_rng_state()
     run_tokens(model, [1, 2, 3, 1, 2], Lookahead(3, 3, 3), sampling=SamplingParams(temperature=1.0, seed=0))
     assert torch.equal(state, torch.get_rng_state())
+
+
+def test_penalties_by_hand() -> None:
+    """HF repetition penalty (divide a positive logit, multiply a negative one), then OpenAI frequency (per
+    occurrence in the output) and presence (once) penalties."""
+    from minilade.sampling import TokenHistory, penalize
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    logits = torch.tensor([2.0, -2.0, 1.0, 3.0])
+    seen = torch.tensor([True, True, False, False])
+    counts = torch.tensor([1.0, 0.0, 2.0, 0.0])
+    assert penalize(logits, seen, counts, params).tolist() == [0.25, -4.0, -0.25, 3.0]
+    history = TokenHistory(params, prompt=[1], vocab_size=4, device="cpu")
+    history.add([0])
+    rows = history.penalize(torch.tensor([[[2.0, -2.0, 1.0, 3.0]] * 2]), drafts=torch.tensor([[3, 3]]))
+    # Row 0 follows the draft's first 3 (seen once), row 1 its second (seen twice): each with its own history.
+    assert rows[0, 0].tolist() == [0.25, -4.0, 1.0, 1.5 - 0.5 - 0.25]
+    assert rows[0, 1].tolist() == [0.25, -4.0, 1.0, 1.5 - 1.0 - 0.25]
+
+
+@pytest.mark.parametrize("kwargs,fact", [
+    (dict(temperature="0.5"), "temperature must be >= 0"), (dict(temperature=1.0, top_k=2.5), "top_k must be >= 0"),
+    (dict(temperature=1.0, top_p=[]), r"top_p must be in \(0, 1\]"), (dict(seed=1.5), "seed must be in"),
+    (dict(temperature=True), "temperature must be"),
+])
+def test_values_of_the_wrong_type_are_value_errors(kwargs: dict, fact: str) -> None:
+    """Found by the fuzzer through generation_config.json (a TypeError from a comparison before)."""
+    with pytest.raises(ValueError, match=fact):
+        SamplingParams(**kwargs)

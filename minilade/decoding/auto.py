@@ -17,6 +17,7 @@ The window's worth is the tokens later accepted from n-grams only it produced, p
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..drafts.sources import pool_paths, replay_calibration, suffix_paths, text_sources
@@ -59,6 +60,17 @@ class Auto(Lookahead):
 
     def max_step_tokens(self) -> int:
         return self.budget
+
+    def fit(self, context: int, room: int) -> "Auto":
+        """Steps of at most `room` rows (the positions left after the prompt): the budget shrinks to it, and the
+        window's W and N with it, so that the window's rows fit the budget. Greedy output is unchanged (every
+        step is verified); on a roomy context this is the strategy itself."""
+        if self.budget <= room:
+            return self
+        budget = max(1, room)
+        ngram = min(self.ngram, budget + 1)
+        window = max(1, min(self.window, budget // (ngram - 1)))
+        return dataclasses.replace(self, draft_budget=budget, ngram=ngram, window=window)
 
     def make_decoder(self, ctx: DecodeContext) -> Decoder:
         return AutoDecoder(ctx, self)

@@ -67,7 +67,7 @@ class Decoder(ABC):
         rows = torch.tensor([n - 1], device=ctx.device)
         logits = ctx.model(tokens, torch.arange(n, device=ctx.device), ctx.cache, logits_rows=rows)
         ctx.cache.commit(n)
-        return Step(self.emit([int(ctx.sampler.pick(logits[0, -1]))]), "prefill", n)
+        return Step(self.emit([int(ctx.sampler.pick(ctx.sampler.penalize(logits[0, -1])))]), "prefill", n)
 
     @abstractmethod
     def step(self) -> Step:
@@ -75,6 +75,7 @@ class Decoder(ABC):
 
     def emit(self, block: list[int]) -> list[int]:
         self.ctx.tokens.extend(block)
+        self.ctx.sampler.observe(block)
         return block
 
     def single_step(self) -> Step:
@@ -84,7 +85,7 @@ class Decoder(ABC):
         tokens = torch.tensor([ctx.tokens[-1:]], device=ctx.device)
         logits = ctx.model(tokens, torch.tensor([pos], device=ctx.device), ctx.cache)
         ctx.cache.commit(1)
-        return Step(self.emit([int(ctx.sampler.pick(logits[0, -1]))]), "single", 1)
+        return Step(self.emit([int(ctx.sampler.pick(ctx.sampler.penalize(logits[0, -1])))]), "single", 1)
 
 
 class Strategy(ABC):
@@ -98,3 +99,14 @@ class Strategy(ABC):
     def max_step_tokens(self) -> int:
         """Most tokens one step puts through the model (the KV cache keeps this much room past the budget)."""
         return 1
+
+    def fit(self, context: int, room: int) -> "Strategy":
+        """This strategy, or a copy of it whose steps fit a generation with `room` of the model's `context`
+        positions left after the prompt. By default a step larger than the whole context is refused in one line
+        (near the context's end a decoder takes smaller steps itself); Auto shrinks its steps instead."""
+        step = self.max_step_tokens()
+        if step > context:
+            raise ValueError(f"one step of {self} feeds up to {step} tokens, more than the model's whole context "
+                             f"of {context}; choose a smaller window (-W), n-gram size (-N) or number of guesses "
+                             f"(-G), or strategy auto, which fits its steps to the context")
+        return self

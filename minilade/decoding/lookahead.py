@@ -173,15 +173,17 @@ class LookaheadDecoder(Decoder):
         tokens = torch.cat([base, tree.tokens]).to(device)
         mask, offsets, read = shape.assemble(tree)
         logits = ctx.model(tokens[None], ctx.cache.length + offsets, ctx.cache, mask, logits_rows=read)[0]  # (R, V)
-        n_read, first_logits = len(shape.read), logits[0]
+        n_read, first_logits = len(shape.read), ctx.sampler.penalize(logits[0])
         if self.recycled is not None:
             self.recycled.update(tokens[read], logits)
         if shape.with_window:  # the lookahead branch only proposes, so it is greedy even when sampling
             new_level = logits[n_read - layout.window:n_read].argmax(-1)
         else:
             new_level = torch.zeros(0, dtype=torch.long, device=device)
-        cand_logits = logits[n_read:][tree.node_of.to(device)]  # (g, K, V): each candidate token's node
         candidates = tree.tokens[tree.node_of].to(device)  # (g, K), past a candidate's end: its last token again
+        # (g, K, V): each candidate token's node, penalized with its own history (the committed text and the
+        # candidate up to that token), as plain decoding would have it had it emitted them.
+        cand_logits = ctx.sampler.penalize(logits[n_read:][tree.node_of.to(device)], candidates)
         first_choice = first_logits.argmax(-1)
         best, n_acc, matches, emitted = self._verify(first_choice, first_logits, candidates, cand_logits,
                                                      tree.lengths.to(device))

@@ -130,15 +130,18 @@ def check_prompt(prompt: Sequence[int], model: Transformer) -> None:
         raise ValueError(f"prompt token id {bad[0]!r} is not an id of the vocabulary (0..{config.vocab_size - 1})")
 
 
+def fitted_strategy(model: Transformer, prompt_len: int, settings: GenerationSettings) -> Strategy:
+    """The settings' strategy with its steps fitted to the context left after the prompt (Strategy.fit)."""
+    context = model.config.max_seq_len
+    return settings.strategy.fit(context, max(1, context - prompt_len))
+
+
 def cache_for(model: Transformer, prompt_len: int, settings: GenerationSettings,
               cache: KVCache | None = None) -> KVCache:
     """A KV cache for one generation: `cache` when it is large enough, else a new one. It needs every position
     the generation may use plus room for one step's speculative rows."""
-    step, context = settings.strategy.max_step_tokens(), model.config.max_seq_len
-    if step > context:
-        raise ValueError(f"one step of {settings.strategy} feeds up to {step} tokens, more than the model's whole "
-                         f"context of {context}; choose a smaller window, n-gram size or number of guesses")
-    needed = min(context, prompt_len + settings.max_new_tokens) + step
+    step = fitted_strategy(model, prompt_len, settings).max_step_tokens()
+    needed = min(model.config.max_seq_len, prompt_len + settings.max_new_tokens) + step
     if cache is None or cache.capacity < needed:
         cache = model.new_cache(needed)
     cache.truncate(0)
@@ -154,12 +157,13 @@ def decode_tokens(model: Transformer, prompt: Sequence[int], run: TokenRun, sett
     (see cache_for); nothing else may use it until the iterator is exhausted or closed.
     """
     check_prompt(prompt, model)
-    sampler = Sampler(shared_sampling(model, settings.sampling), model.device)  # one seed on every rank
+    sampler = Sampler(shared_sampling(model, settings.sampling), model.device, prompt,  # one seed on every rank
+                      model.config.vocab_size)
     ctx = DecodeContext(model, cache_for(model, len(prompt), settings, cache), sampler, list(prompt),
                         model.config.max_seq_len)
     run.stats.strategy, run.stats.prompt_tokens = settings.strategy.name, len(prompt)
     with torch.inference_mode():
-        decoder = settings.strategy.make_decoder(ctx)
+        decoder = fitted_strategy(model, len(prompt), settings).make_decoder(ctx)
     return _run_decoder(decoder, run, settings.max_new_tokens, frozenset(eos_ids))
 
 

@@ -21,9 +21,11 @@ def measure_step_costs(model: Transformer, sizes: Iterable[int], *, context: int
     """Median seconds of one forward pass of T tokens (all rows projected to the vocabulary) after `context`
     committed tokens, for each T in sizes, the rows masked as a lookahead step's are (interleaved chains: the
     batch-invariant attention takes its slower path for them, as in real steps). Sizes are measured
-    round-robin, after one warm-up pass each."""
+    round-robin, after one warm-up pass each. The context shrinks so that the steps' positions fit the
+    model's; a step longer than that reuses positions (its cost does not depend on them)."""
     sizes = sorted(set(sizes))
-    context = min(context, model.config.max_seq_len - max(sizes) - 1)
+    limit = model.config.max_seq_len
+    context = max(0, min(context, limit - max(sizes) - 1))
     gen = torch.Generator().manual_seed(0)
     cache = model.new_cache(context + max(sizes))
     device = model.device
@@ -39,7 +41,7 @@ def measure_step_costs(model: Transformer, sizes: Iterable[int], *, context: int
                 tokens = torch.randint(model.config.vocab_size, (1, T), generator=gen).to(device)
                 positions, mask = interleaved_step(context, T, lanes=4)
                 start = time.perf_counter()
-                model(tokens, positions.to(device), cache, mask.to(device))
+                model(tokens, positions.to(device) % limit, cache, mask.to(device))
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 if rep:  # the first round is warm-up

@@ -171,3 +171,20 @@ def test_the_draft_budget_bounds_every_step() -> None:
     got, run = run_tokens(model, prompt, strategy, max_new_tokens=48)
     assert got == expected and run.stats.tokens_fed <= 5 * run.stats.steps
     assert max(run.stats.tokens_per_step) == 5  # x and four drafted tokens, all accepted, and the bonus token
+
+
+def test_step_costs_on_a_short_context_use_only_its_positions(monkeypatch) -> None:
+    """A 32-token model measured at 1 and 32 tokens (the load-time dtype check does this): no negative or
+    out-of-context position (they wrapped around the rotary table silently before it was checked)."""
+    from minilade.config import ModelConfig
+    from minilade.model import Transformer
+    model = Transformer(ModelConfig.preset("tiny-mha").replace(max_seq_len=32)).init_random()
+    seen, forward = [], Transformer.forward
+
+    def spy(self, tokens, input_pos, *args, **kwargs):
+        seen.append((int(input_pos.min()), int(input_pos.max())))
+        return forward(self, tokens, input_pos, *args, **kwargs)
+
+    monkeypatch.setattr(Transformer, "forward", spy)
+    assert set(step_costs.measure_step_costs(model, (1, 32, 40), context=128, repeats=1)) == {1, 32, 40}
+    assert seen and all(0 <= low <= high < 32 for low, high in seen)

@@ -61,3 +61,69 @@ def test_a_step_larger_than_the_context_is_refused_before_any_allocation() -> No
     model = tiny_model(vocab=12, seed=1)  # a context of 256 tokens
     with pytest.raises(ValueError, match=r"feeds up to 400004 tokens, more than the model's whole context of 256"):
         run_tokens(model, [1, 2, 3], Lookahead(window=100000, ngram=5, guesses=1))
+    with pytest.raises(ValueError, match=r"feeds up to 300015 tokens, more than the model's whole context of 256"):
+        run_tokens(model, [1, 2, 3], Lookahead(window=5, ngram=4, guesses=100000))
+
+
+def short_context_model(context: int = 32):
+    from minilade.config import ModelConfig
+    from minilade.model import Transformer
+    config = ModelConfig.preset("tiny-gqa").replace(vocab_size=12, max_seq_len=context)
+    return Transformer(config).init_random(seed=3, std=0.3).eval()
+
+
+def spy_positions(model, monkeypatch) -> list[tuple[int, int, int]]:
+    """Record (highest rotary position, rows fed, cache slots left) of every forward pass."""
+    seen, forward = [], type(model).forward
+
+    def spy(self, tokens, input_pos, cache, *args, **kwargs):
+        seen.append((int(input_pos.max()), tokens.shape[1], cache.capacity - cache.length))
+        return forward(self, tokens, input_pos, cache, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    return seen
+
+
+@pytest.mark.parametrize("window", [12, 100000])
+def test_auto_fits_its_steps_to_a_tiny_context(window: int, monkeypatch) -> None:
+    """Issue 10 (12): `--strategy auto -W 12` on a 32-token context shrinks its steps (no cache-capacity error),
+    and its output is plain decoding's up to the context's end; -W 100000 shrinks too, allocating nothing large."""
+    from minilade.decoding import Auto
+    from tests.decoding.test_auto import costs_of
+    model = short_context_model()
+    prompt = [1, 2, 3, 1, 2]
+    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=60)
+    seen = spy_positions(model, monkeypatch)
+    got, run = run_tokens(model, prompt, Auto(window=window, costs=costs_of(lambda T: 1.0)), max_new_tokens=60)
+    assert got == expected and run.finish_reason == "context" and len(got) == 32 - len(prompt)
+    assert all(high < 32 and rows <= left for high, rows, left in seen)
+    assert max(rows for _, rows, _ in seen) > 1  # it did take lookahead steps, within 32 - 5 rows
+    assert max(rows for _, rows, _ in seen[1:]) <= 32 - len(prompt)
+
+
+def test_lookahead_whose_step_cannot_fit_the_context_is_one_line_naming_the_options() -> None:
+    model = short_context_model()
+    with pytest.raises(ValueError, match=r"lookahead\(W=12, N=4, G=5\) feeds up to 51 tokens, more than the "
+                                         r"model's whole context of 32; choose a smaller window \(-W\), .* or "
+                                         r"strategy auto, which fits its steps"):
+        run_tokens(model, [1, 2, 3], Lookahead(window=12))
+
+
+@pytest.mark.parametrize("strategy", [
+    Lookahead(3, 4, 3), Lookahead(3, 4, 3, suffix_draft=8, suffix_branches=2, recycle_topk=2),
+    "auto", "auto-recycle"])
+def test_drafts_near_the_end_of_the_context_never_overrun_it(strategy, monkeypatch) -> None:
+    """Every draft and window row stays at a position inside the context and every step inside the cache, while
+    the output stays plain decoding's to the last position."""
+    from minilade.decoding import Auto
+    from tests.decoding.test_auto import costs_of
+    if isinstance(strategy, str):
+        strategy = Auto(3, 4, 3, recycle_topk=2 if strategy == "auto-recycle" else 0,
+                        costs=costs_of(lambda T: 1.0))
+    model = short_context_model(48)
+    prompt = [1, 2, 3, 4] * 4
+    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=100)
+    seen = spy_positions(model, monkeypatch)
+    got, run = run_tokens(model, prompt, strategy, max_new_tokens=100)
+    assert got == expected and run.finish_reason == "context" and len(got) == 48 - len(prompt)
+    assert all(high < 48 and rows <= left for high, rows, left in seen)
