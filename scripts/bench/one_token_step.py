@@ -1,0 +1,68 @@
+"""The one-token step of plain decoding, alone: median milliseconds per step after a fixed context.
+
+Prints one JSON line. It imports nothing from scripts/, so it runs against any checkout of the project, to
+compare code before and after a change on the same machine, interleaved (one process a run; alternate the
+checkouts and take medians; S is this file):
+
+    for round in 1 2 3; do
+      for tree in ../old ../new; do (cd $tree && PYTHONPATH=$PWD python $S --quantize none); done
+      (cd ../new && PYTHONPATH=$PWD python $S --quantize int4)
+    done
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Sequence
+
+import torch
+
+from minilade import LLM
+from minilade.checkpoints import DEFAULT_CHECKPOINT
+
+
+def cpu_flags() -> str:
+    """The SIMD flags of the first processor in /proc/cpuinfo (empty elsewhere)."""
+    try:
+        lines = open("/proc/cpuinfo").read().splitlines()
+    except OSError:
+        return ""
+    flags = next((line.partition(":")[2].split() for line in lines if line.startswith("flags")), [])
+    return " ".join(sorted(f for f in flags if f.startswith(("avx", "amx"))))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", default=DEFAULT_CHECKPOINT)
+    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none")
+    p.add_argument("--context", type=int, default=100)
+    p.add_argument("--steps", type=int, default=70)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    llm = LLM.load(args.ckpt, dtype="float32", quantize=None if args.quantize == "none" else args.quantize,
+                   progress=False)
+    model, warm_up = llm.model, 10
+    with torch.inference_mode():
+        cache = model.new_cache(args.context + args.steps + warm_up)
+        model(torch.randint(0, model.config.vocab_size, (1, args.context)), torch.arange(args.context), cache)
+        cache.commit(args.context)
+        token, times = torch.tensor([[5]]), []
+        for i in range(warm_up + args.steps):
+            start = time.perf_counter()
+            logits = model(token, torch.tensor([cache.length]), cache)
+            cache.commit(1)
+            token = logits[:, -1:].argmax(-1)
+            if i >= warm_up:
+                times.append(time.perf_counter() - start)
+    print(json.dumps({"quantize": args.quantize, "context": args.context, "ms": 1e3 * statistics.median(times),
+                      "threads": args.threads, "cpu_flags": cpu_flags()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
