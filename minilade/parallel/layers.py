@@ -30,9 +30,9 @@ from .group import from_leader, gather_last_dim, ordered_sum
 T = TypeVar("T")
 
 
-class RankSum(nn.Module):
-    """A row-parallel linear layer: `linear` holds this rank's input columns (and the bias on rank 0 only); the
-    output is the sum of every rank's product. weight/bias are exposed for code that inspects linear layers."""
+class LinearPart(nn.Module):
+    """A linear layer holding one rank's part of a weight; weight/bias are exposed for code that inspects linear
+    layers."""
 
     def __init__(self, linear: nn.Module, group: dist.ProcessGroup) -> None:
         super().__init__()
@@ -46,25 +46,22 @@ class RankSum(nn.Module):
     def bias(self) -> torch.Tensor | None:
         return self.linear.bias
 
+
+class RankSum(LinearPart):
+    """A row-parallel linear layer: `linear` holds this rank's input columns (and the bias on rank 0 only); the
+    output is the sum of every rank's product."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ordered_sum(self.linear(x), self.group)
 
 
-class GatheredHead(nn.Module):
+class GatheredHead(LinearPart):
     """The output head split over the vocabulary: `linear` holds this rank's rows (at most `chunk`); the logits
     of all ranks are gathered, in rank order, and cut to `vocab` columns: (B, R, dim) -> (B, R, vocab)."""
 
     def __init__(self, linear: nn.Module, chunk: int, vocab: int, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.linear, self.chunk, self.vocab, self.group = linear, chunk, vocab, group
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.linear.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.linear.bias
+        super().__init__(linear, group)
+        self.chunk, self.vocab = chunk, vocab
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = self.linear(x)  # (B, R, rows of this rank)
