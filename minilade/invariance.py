@@ -147,7 +147,7 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     qs = F.pad(q.reshape(B, Hkv, G * T, D).to(work) * D ** -0.5, (0, 0, 0, R - G * T))  # heads under their key head
     k, v1 = keys.to(work), values.to(work)  # no copy when the cache keeps the work dtype
     scores = (qs @ k.transpose(-1, -2)).masked_fill_(layout.hidden, float("-inf"))  # (B, Hkv, R, keys)
-    weights = (scores - scores.amax(-1, keepdim=True)).exp_()  # exactly 0 where hidden
+    weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # in place; exactly 0 where hidden
 
     n, L0 = layout.n_shared, layout.n_shared * C
     w = weights[..., :L0].unflatten(-1, (n, C)).transpose(2, 3)  # (B, Hkv, n, R, C)

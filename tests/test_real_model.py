@@ -48,7 +48,7 @@ def test_greedy_equals_transformers(llm, hf_model, name: str) -> None:
 @pytest.mark.parametrize("name", sorted(PROMPTS))
 def test_greedy_lookahead_equals_autoregressive(llm, name: str) -> None:
     text, chat = PROMPTS[name]
-    reference = llm.generate(text, chat=chat, max_new_tokens=64)
+    reference = llm.generate(text, chat=chat, max_new_tokens=64, strategy=Autoregressive())
     for strategy in (Lookahead(window=5, ngram=4, guesses=5), Lookahead(window=3, ngram=2, guesses=3)):
         got = llm.generate(text, chat=chat, max_new_tokens=64, strategy=strategy)
         assert got.token_ids == reference.token_ids and got.text == reference.text
@@ -66,7 +66,7 @@ def llm_bf16(smollm2_gguf) -> LLM:
 def test_greedy_lookahead_equals_autoregressive_in_bfloat16(llm_bf16, name: str) -> None:
     """bfloat16 rounds coarsely, so near-tie argmaxes are common: equal only if every step is batch-invariant."""
     text, chat = PROMPTS[name]
-    reference = llm_bf16.generate(text, chat=chat, max_new_tokens=48)
+    reference = llm_bf16.generate(text, chat=chat, max_new_tokens=48, strategy=Autoregressive())
     got = llm_bf16.generate(text, chat=chat, max_new_tokens=48, strategy=Lookahead(window=5, ngram=4, guesses=5))
     assert got.token_ids == reference.token_ids
 

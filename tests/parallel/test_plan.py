@@ -33,7 +33,7 @@ def cuts(plan: ShardPlan) -> dict[str, tuple[int, int, int] | None]:
 
 def test_each_tensor_is_cut_along_its_sharded_dimension():
     config = ModelConfig(vocab_size=100, dim=64, n_layers=1, n_heads=8, n_kv_heads=4, intermediate_size=96,
-                         attention_bias=True)
+                         qkv_bias=True, o_bias=True)
     got = cuts(ShardPlan(config, 1, 2, vocab=90))  # head_dim 8; the tokenizer's 90 tokens split 45 + 45
     assert got["self_attn.q_proj.weight"] == (0, 32, 64) and got["self_attn.q_proj.bias"] == (0, 32, 64)
     assert got["self_attn.k_proj.weight"] == (0, 16, 32) and got["self_attn.v_proj.weight"] == (0, 16, 32)
