@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .checkpoints import DEFAULT_CHECKPOINT, Checkpoint, build_model, open_checkpoint
-from .checkpoints.generation_config import merge_sampling, read_generation_defaults
+from .checkpoints.generation_config import defaults_from_hf, merge_sampling, read_generation_defaults
 from .checkpoints.gguf_quant import gguf_int4_weights
 from .checkpoints.hf import config_from_hf
 from .decoding import GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens, make_strategy
@@ -109,7 +109,8 @@ class LLM:
         Weights are taken, not re-read from disk: where dtype and device stay those of the transformers model
         (the default), the embedding, norms and output projections are the very same tensors, and only q/k/v and
         gate/up are copied once into their fused matrices. The tokenizer's files, chat template and special
-        tokens go through the same reader as a checkpoint folder's."""
+        tokens go through the same reader as a checkpoint folder's; the model's generation_config supplies the
+        sampling defaults as a checkpoint's generation_config.json does."""
         first = next(model.parameters())
         device, dtype = device_and_dtype(device if device is not None else first.device,
                                          dtype if dtype is not None else first.dtype)
@@ -118,8 +119,12 @@ class LLM:
             model.config.save_pretrained(folder)  # eos/bos ids that the tokenizer reader also looks at
             ours_tokenizer = Tokenizer.from_checkpoint(folder)
         config = config_from_hf(model.config.to_dict())
+        generation = getattr(model, "generation_config", None)  # its sampling defaults, as generation_config.json's
+        defaults = defaults_from_hf(generation.to_dict()) if generation is not None else {}
         ours = build_model(config, model.state_dict().items(), dtype=dtype, device=device)
-        return cls.prepared(ours, ours_tokenizer, type(model).__name__, exact=exact)
+        llm = cls.prepared(ours, ours_tokenizer, type(model).__name__, exact=exact)
+        llm.generation_defaults = defaults
+        return llm
 
     @classmethod
     def prepared(cls, model: Transformer, tokenizer: Tokenizer, name: str, *, exact: bool = True,

@@ -119,6 +119,12 @@ def test_from_transformers_equals_loading_the_same_weights_from_disk(tmp_path: P
         want = from_disk.generate(prompt, max_new_tokens=12, strategy=Lookahead(2, 3, 2), **options)
         got = bridged.generate(prompt, max_new_tokens=12, strategy=Lookahead(2, 3, 2), **options)
         assert got.prompt_ids == want.prompt_ids and got.token_ids == want.token_ids
+    # Its generation_config gives the defaults that the same file next to the checkpoint gives.
+    hf_model.generation_config.update(do_sample=True, temperature=0.6, top_p=0.9, repetition_penalty=1.2)
+    hf_model.generation_config.save_pretrained(folder)
+    expected = dict(temperature=0.6, top_k=50, top_p=0.9, repetition_penalty=1.2)
+    assert LLM.from_transformers(hf_model, hf_tokenizer).generation_defaults == expected
+    assert LLM.load(folder, dtype="float32", device="cpu", progress=False).generation_defaults == expected
     # The weights are the transformers model's own tensors, not copies (only q/k/v and gate/up are fused anew).
     assert bridged.model.tok_embeddings.weight.data_ptr() == hf_model.model.embed_tokens.weight.data_ptr()
     assert bridged.model.layers[0].attention.wo.weight.data_ptr() == \
