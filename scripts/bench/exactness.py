@@ -8,6 +8,9 @@ closer than that rounding. In float32 that almost never happens; in bfloat16 (8 
 
     python -m scripts.bench.exactness --dtype float32 --n-prompts 10 --settings 7,5,7 3,3,3
     python -m scripts.bench.exactness --dtype bfloat16 --n-prompts 10 --settings 7,5,7
+    python -m scripts.bench.exactness --dtype bfloat16 --skip 5 --n-prompts 5 --auto   # prompts 5..9, auto too
+
+--skip lets a long run go in chunks (each writes its own --out), so other jobs get the CPU between them.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ from typing import Sequence
 
 import torch
 
-from minilade import LLM, Autoregressive, Lookahead
+from minilade import LLM, Auto, Autoregressive, Lookahead, Strategy
 
 from .common import (
     CPU_DTYPES,
     JobParser,
     Setting,
+    UsageError,
     add_prompt_options,
     add_settings_option,
     command_line,
@@ -43,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_prompt_options(p, n_prompts=10)
     add_settings_option(p, [(7, 5, 7)])
     p.add_argument("--dtype", choices=CPU_DTYPES, default="float32")
+    p.add_argument("--skip", type=int, default=0, help="leave out the first K prompts of each dataset")
+    p.add_argument("--auto", action="store_true", help="also compare auto (default settings) with plain decoding")
     p.add_argument("--out", type=Path, default=None, help="write the records as JSON here")
     return p
 
@@ -67,18 +73,21 @@ def margin_at(llm: LLM, prompt: list[int], generated: list[int], position: int) 
 
 
 def compare(llm: LLM, prompts: dict[str, list[list[int]]], settings: list[Setting], max_new_tokens: int,
-            show_progress: bool, desc: str) -> list[dict]:
-    """One record per (prompt, setting): whether lookahead gave the autoregressive tokens, and if not, where and
-    with what margin they part."""
+            show_progress: bool, desc: str, auto: bool = False, first_index: int = 0) -> list[dict]:
+    """One record per (prompt, setting): whether lookahead (and auto, when asked; its setting is "auto") gave the
+    autoregressive tokens, and if not, where and with what margin they part. Prompts are numbered from
+    first_index."""
+    strategies: list[tuple[Setting | str, Strategy]] = [(s, Lookahead(*s)) for s in settings]
+    strategies += [("auto", Auto())] if auto else []
     records = []
-    total = sum(len(v) for v in prompts.values()) * (1 + len(settings))
+    total = sum(len(v) for v in prompts.values()) * (1 + len(strategies))
     with progress(total, desc, show_progress) as bar:
         for name, group in prompts.items():
-            for i, prompt in enumerate(group):
+            for i, prompt in enumerate(group, start=first_index):
                 reference = llm.generate(prompt, max_new_tokens=max_new_tokens, strategy=Autoregressive()).token_ids
                 bar.update()
-                for setting in settings:
-                    got = llm.generate(prompt, max_new_tokens=max_new_tokens, strategy=Lookahead(*setting))
+                for setting, strategy in strategies:
+                    got = llm.generate(prompt, max_new_tokens=max_new_tokens, strategy=strategy)
                     bar.update()
                     first = first_difference(reference, got.token_ids)
                     record = dict(dataset=name, prompt=i, setting=setting, same=first is None, first_diff=first,
@@ -102,11 +111,14 @@ def table(records: list[dict]) -> str:
 
 def job(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    texts = load_prompt_texts(args.data_dir, args.datasets, args.n_prompts)
+    if args.skip < 0:
+        raise UsageError(f"--skip must be >= 0, got {args.skip}")
+    texts = load_prompt_texts(args.data_dir, args.datasets, args.skip + args.n_prompts)
+    texts = {name: items[args.skip:] for name, items in texts.items()}
     llm = LLM.load(args.ckpt, dtype=args.dtype, device="cpu", progress=False)
     prompts = encode_prompts(llm, texts)
     records = compare(llm, prompts, args.settings, args.max_new_tokens, not args.no_progress,
-                      desc=f"exactness {args.dtype}")
+                      desc=f"exactness {args.dtype}", auto=args.auto, first_index=args.skip)
     print(f"\n{args.dtype}, {args.max_new_tokens} new tokens, greedy lookahead vs greedy autoregressive\n")
     print(table(records))
     if args.out:

@@ -41,3 +41,19 @@ def test_table_lists_each_divergence_with_its_margin() -> None:
                dict(dataset="gsm8k", prompt=2, setting=(7, 5, 7), same=False, first_diff=9, tokens=9)]
     assert exactness.table(records).splitlines()[2] == \
         "| gsm8k | (7, 5, 7) | 1/3 | #1: token 4 (0.125), #2: token 9 (nan) |"
+
+
+def test_skip_and_auto_cover_later_prompts_and_auto(tiny_checkpoint: Path, data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "chunk.json"
+    argv = ["--ckpt", str(tiny_checkpoint), "--data-dir", str(data_dir), "--datasets", "gsm8k", "--skip", "1",
+            "--n-prompts", "1", "--max-new-tokens", "6", "--settings", "2,3,2", "--auto", "--out", str(out),
+            "--no-progress"]
+    assert exactness.main(argv) == 0
+    records = json.loads(out.read_text())["records"]
+    assert [(r["prompt"], r["setting"]) for r in records] == [(1, [2, 3, 2]), (1, "auto")]
+    assert all(r["same"] for r in records)
+
+
+def test_negative_skip_is_one_line_error(data_dir: Path, stderr_line) -> None:
+    assert exactness.main(["--data-dir", str(data_dir), "--skip", "-1"]) == 2
+    assert stderr_line() == "error: --skip must be >= 0, got -1"
