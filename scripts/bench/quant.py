@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import math
 import random
 import resource
-import shutil
 import statistics
 import sys
 import time
@@ -63,6 +61,7 @@ from .common import (
     run_job,
     write_json,
 )
+from .llama_cpp import llama_cpp_decode
 
 MODULE = "scripts.bench.quant"
 PARTS = ("layers", "decode", "steps", "7b", "ppl")
@@ -104,8 +103,13 @@ def job(argv: list[str]) -> int:
         for part in args.parts:
             print(f"\n== {part}", flush=True)
             results[part] = PART_RUNNERS[part](args)
-    results["llama_cpp"] = llama_cpp_note()
-    print(f"\nllama.cpp peer: {results['llama_cpp']}")
+    results["llama_cpp"] = peer = llama_cpp_decode(args.ckpt, torch.get_num_threads(), args.max_new_tokens)
+    print(f"\nllama.cpp peer ({peer['status']}): {peer['note']}" + (
+        f"; {peer['tokens_per_s']:.1f} tokens/s" if peer["tokens_per_s"] else ""))
+    if peer["tokens_per_s"] and "decode" in results:
+        results["vs_llama_cpp"] = {name: row["tokens_per_s"] / peer["tokens_per_s"]
+                                   for name, row in results["decode"]["table"].items()}
+        print("plain decoding / llama.cpp:", ", ".join(f"{k} x{v:.2f}" for k, v in results["vs_llama_cpp"].items()))
     write_json(args.out_dir / "quant_results.json", results, indent=1)
     print(f"wrote {args.out_dir / 'quant_results.json'}", file=sys.stderr)
     return 0
@@ -363,13 +367,6 @@ def perplexity(model: Transformer, ids: torch.Tensor) -> float:
     cache = model.new_cache(ids.shape[1])
     logits = model(ids, torch.arange(ids.shape[1]), cache)[0, :-1].float()
     return math.exp(F.cross_entropy(logits, ids[0, 1:]).item())
-
-
-def llama_cpp_note() -> str:
-    found = [name for name in ("llama-bench", "llama-cli") if shutil.which(name)]
-    if found or importlib.util.find_spec("llama_cpp") is not None:
-        return f"available ({', '.join(found) or 'llama_cpp'}) but not run by this script"
-    return "skipped: neither llama-bench nor llama-cpp-python is installed on this machine"
 
 
 PART_RUNNERS: dict[str, Callable[[argparse.Namespace], dict]] = {
