@@ -32,6 +32,11 @@ GROUP_SIZES = (32, 64, 128, 256)  # the only groups _weight_int4pack_mm_for_cpu 
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # float32: exact scales, but the kernels' slow scalar path
 INT4_OFFSET = 8  # the kernel reads a 4-bit code c in [0, 15] as the signed value c - 8
 INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu packs output rows in blocks of 16
+# Rows packed per call: the packing reads int32 codes, 4 bytes a weight, so a whole matrix at once (a 7B model's
+# output head: 0.5 GB) would dominate peak memory while loading. Row blocks that are multiples of 32 pack
+# independently (measured: concatenated blocks equal the whole matrix packed, bit for bit; blocks of 16 or 48 do
+# not), and tests/test_quant.py checks it.
+PACK_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -145,7 +150,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales", weight.scales.to(kernel_dtype))
         else:
             self.group_size = weight.group_size
-            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.int(), 1))
+            self.register_buffer("packed", pack_int4(weight.codes))
             scale_zeros = torch.stack([weight.scales, weight.zeros], dim=-1).transpose(0, 1)  # (K / group, N, 2)
             self.register_buffer("scale_zeros", scale_zeros.contiguous().to(kernel_dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -190,6 +195,13 @@ class QuantizedLinear(nn.Module):
         group = f", group_size={self.group_size}" if self.mode == "int4" else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{group}, "
                 f"kernel_dtype={self.kernel_dtype}, dense_from_rows={self.dense_from_rows}")
+
+
+def pack_int4(codes: torch.Tensor, rows: int = PACK_ROWS) -> torch.Tensor:
+    """codes (N, K) uint8 in [0, 15] -> (N, K / 2) uint8 in the CPU kernel's layout, `rows` rows (a multiple of 32)
+    at a time, so that only one block's int32 copy exists at once."""
+    return torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(block.int(), 1)
+                      for block in codes.split(rows)])
 
 
 def map_scales(weight: QuantizedWeight, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:

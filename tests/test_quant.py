@@ -16,6 +16,7 @@ from minilade.quant import (
     QuantizedLinear,
     cat_rows,
     map_rows,
+    pack_int4,
     quantize_linears,
     quantize_weight,
     weight_bytes,
@@ -67,6 +68,15 @@ def test_kernel_multiplies_by_the_dequantized_weight_bitwise(mode: str) -> None:
     q = quantize_weight(random_weight(), mode, 32, torch.float32)
     layer = QuantizedLinear(q, kernel_dtype=torch.float32)
     assert torch.equal(layer(torch.eye(128)).T, q.dequantize())
+
+
+@pytest.mark.parametrize("rows", [32, 64, 96])
+def test_int4_packed_in_row_blocks_equals_the_whole_matrix_packed(rows: int) -> None:
+    """Packing in blocks (to bound the int32 copy while loading) gives the kernel's layout of the whole matrix;
+    the last block may be a 16-row remainder."""
+    codes = torch.randint(0, 16, (208, 64), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+    assert torch.equal(pack_int4(codes, rows), whole)
 
 
 @pytest.mark.parametrize("mode", MODES)
