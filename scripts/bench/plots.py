@@ -102,7 +102,7 @@ def plot_draft_ablation(Figure: Any, results: list[dict], label_key: str, title:
     label_key, compression, rows_per_step)."""
     datasets = list(dict.fromkeys(r["dataset"] for r in results))
     labels = list(dict.fromkeys(r[label_key] for r in results))
-    fig = Figure(figsize=(max(7, 1.2 * len(labels) * len(datasets)), 4.8))
+    fig = Figure(figsize=(max(7.0, 0.45 * len(labels) * len(datasets) + 2), 4.8))
     ax = fig.subplots()
     width = 0.8 / max(1, len(labels))
     for j, label in enumerate(labels):
