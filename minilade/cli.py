@@ -24,6 +24,7 @@ from .quant import check_options
 from .sampling import SamplingParams
 
 EXIT_USAGE = 2
+WINDOW_OPTIONS = ("window_chain", "reanchor", "seed_window", "fill_levels")  # lookahead and auto, off by default
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most B such drafts a step, from occurrences that disagree (default: 1 lookahead, 4 auto)")
     s.add_argument("--draft-budget", type=int, default=None, metavar="ROWS",
                    help="auto: the most rows one step feeds (default: (W + G) * (N - 1))")
+    s.add_argument("--window-chain", action="store_true",
+                   help="also verify the lookahead window's own chain of freshest guesses (W + N - 3 tokens)")
+    s.add_argument("--reanchor", action="store_true",
+                   help="move the window's columns by the extra tokens a step emitted, so it stays aligned with x")
+    s.add_argument("--seed-window", action="store_true",
+                   help="start the window from a suffix draft of the prompt instead of random prompt tokens")
+    s.add_argument("--fill-levels", action="store_true",
+                   help="feed only the window levels written so far during the first N - 2 steps")
     d = p.add_argument_group("hardware")
     d.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (CUDA only)")
     d.add_argument("--quantize", choices=["int8", "int4"], default=None,
@@ -84,6 +93,7 @@ def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
     drafts = {name: value for name, value in (("suffix_draft", args.suffix_draft),
                                               ("suffix_branches", args.suffix_branches),
                                               ("draft_budget", args.draft_budget)) if value is not None}
+    drafts.update({name: True for name in WINDOW_OPTIONS if getattr(args, name)})
     strategy = make_strategy(args.strategy, window=args.window, ngram=args.ngram, guesses=args.guesses,
                              pool_from_prompt=not args.no_prompt_pool,
                              cost_file=str(default_weights_dir() / "step_costs.json"), **drafts)

@@ -5,14 +5,16 @@ more than a step of one. So the strategy measures that cost on the loaded model 
 forward passes, memoised per model and optionally kept in a file) and, every step:
 1. gathers draft paths from every source (minilade/drafts/): suffix drafts of any length from the text, the
    n-gram pool's candidates (from the text and from the lookahead window) and, when on, a tree recycled from the
-   model's own top-k outputs, merged into one trie (DraftTree);
+   model's own top-k outputs and, when on, the window's own chain of freshest guesses, merged into one trie
+   (DraftTree);
 2. scores every node with its chance of being accepted, the product of its path's calibrated conditional chances
    (Calibration, learnt online from every verification and seeded by replaying the prompt);
 3. feeds x and the b most likely nodes (ancestors first; the expected number of accepted tokens is the sum of
    their chances), with or without the W x (N-1) window, choosing b and the window to maximise expected tokens
    per second under the measured cost curve and the draft budget. b = 0 without the window is a plain step, so
    switching the strategy on is safe where nothing pays.
-The window's worth is the tokens later accepted from n-grams only it produced, per step that ran it.
+The window's worth is the tokens later accepted from n-grams only it produced (and from its chain), per step
+that ran it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from .lookahead import Lookahead, LookaheadDecoder, StepShape, Verdict, whole_nu
 from .step_costs import StepCosts, step_costs_for
 
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # step sizes measured for the cost curve
-PRIORS = {"suffix": 0.5, "pool": 0.2, "window": 0.15, "recycle": 0.15}  # conditional chances before any evidence
+PRIORS = {"suffix": 0.5, "pool": 0.2, "window": 0.15, "recycle": 0.15, "chain": 0.15}  # conditional chances before any evidence
 PROMPT_REPLAY = 384  # prompt positions replayed to seed the calibration
 RECYCLE_WIDTHS = (None, 2, 1, 1)  # children per node at each depth of the recycled tree (None: all k)
 
@@ -139,10 +141,12 @@ class AutoDecoder(LookaheadDecoder):
         self.window_steps *= self.DECAY
         if not plan.nodes and not plan.with_window:
             self.since_verify += 1
-            return self.single_step()
+            step = self.single_step()
+            self.moved(1)
+            return step
         self.since_verify = 0
         paths = tree.paths(plan.nodes)
-        shape = self.full_shape if plan.with_window else self.verify_shape
+        shape = self.window_shape() if plan.with_window else self.verify_shape
         step = self.run_step(shape, [p.tokens for p in paths])
         self._learn(plan, paths, step.detail)
         return step
@@ -158,6 +162,9 @@ class AutoDecoder(LookaheadDecoder):
         if self.recycled is not None:
             widths = tuple(w or self.recycled.k for w in RECYCLE_WIDTHS)[:room]
             out += self.recycled.paths(tokens[-1], widths)
+        chain = self.window_chain()[:room] if self.window_chain_on else ()
+        if chain:
+            out.append(DraftPath(chain, tuple(("chain", i) for i in range(len(chain)))))
         return out
 
     @property
@@ -179,4 +186,4 @@ class AutoDecoder(LookaheadDecoder):
         self.window_steps += plan.with_window
         if verdict.n_accepted:
             keys = paths[verdict.winner].keys[:verdict.n_accepted]
-            self.window_credit += sum(source == "window" for source, _ in keys)
+            self.window_credit += sum(source in ("window", "chain") for source, _ in keys)

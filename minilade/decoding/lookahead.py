@@ -11,7 +11,13 @@ Options beyond the paper (off by default, so Lookahead(W, N, G) stays the publis
 (minilade/drafts/suffix.py), paths of up to `suffix_draft` tokens copied from where the text's ending occurred
 before, verified in the same trie as the pool's candidates (candidates may then differ in length, and a step may
 emit more than N tokens); token recycling (minilade/drafts/recycle.py), `recycle_topk` chains of N - 1 tokens
-drafted from the model's own top-k next tokens recorded at every row it read.
+drafted from the model's own top-k next tokens recorded at every row it read. The window's own guesses (item 4 of
+the drafts issue): `window_chain` also verifies the chain of the window's freshest guess for each position after
+x; `reanchor` keeps the window aligned with x after a step that emitted several tokens (slot (l, c) guesses
+position x's + l + c, so its columns move left by the extra tokens, and the columns that open take a suffix
+draft's guesses); `seed_window` fills the first window from a suffix draft of the prompt instead of random
+prompt tokens; `fill_levels` feeds only the levels the model has written at the start (level 0, then 0..1, ...),
+as the reference code and TensorRT-LLM do, instead of N - 1 levels of which the upper ones are random tokens.
 """
 
 from __future__ import annotations
@@ -38,7 +44,11 @@ class Lookahead(Strategy):
     suffix_draft: also verify suffix drafts of up to this many tokens each (0: none, the paper's algorithm);
     suffix_branches: at most this many of them a step (occurrences of the text's ending that disagree).
     recycle_topk: keep the model's top-k next tokens after every token it reads (a (V, k) table) and also verify
-    k chains of N - 1 tokens drafted from it (0: off)."""
+    k chains of N - 1 tokens drafted from it (0: off).
+    window_chain: also verify the window's freshest guesses, a chain of W + N - 3 tokens (column 0 of levels
+    1..N-2, then the newest level's other columns). reanchor: shift the window's columns by the tokens a step
+    emitted beyond the one it assumes. seed_window: the first window from a suffix draft where the prompt has one.
+    fill_levels: the first N - 2 window steps feed 1, 2, ... levels (each adds one) instead of all N - 1."""
 
     window: int = 5
     ngram: int = 4
@@ -50,6 +60,10 @@ class Lookahead(Strategy):
     suffix_draft: int = 0
     suffix_branches: int = 1
     recycle_topk: int = 0
+    window_chain: bool = False
+    reanchor: bool = False
+    seed_window: bool = False
+    fill_levels: bool = False
     name = "lookahead"
 
     def __post_init__(self) -> None:
@@ -65,7 +79,9 @@ class Lookahead(Strategy):
         return LookaheadLayout(self.window, self.ngram, self.guesses)
 
     def max_step_tokens(self) -> int:
-        return self.layout.max_rows + self.suffix_branches * self.suffix_draft + self.recycle_topk * self.layout.levels
+        chain = self.window + self.ngram - 3 if self.window_chain else 0
+        return self.layout.max_rows + self.suffix_branches * self.suffix_draft + self.recycle_topk * self.layout.levels \
+            + chain
 
     def make_decoder(self, ctx: DecodeContext) -> Decoder:
         return LookaheadDecoder(ctx, self)
@@ -73,7 +89,11 @@ class Lookahead(Strategy):
     def __str__(self) -> str:
         suffix = f", suffix {self.suffix_branches}x{self.suffix_draft}" if self.suffix_draft else ""
         recycle = f", recycle top-{self.recycle_topk}" if self.recycle_topk else ""
-        return f"lookahead(W={self.window}, N={self.ngram}, G={self.guesses}{suffix}{recycle})"
+        return f"lookahead(W={self.window}, N={self.ngram}, G={self.guesses}{suffix}{recycle}{self.window_options()})"
+
+    def window_options(self) -> str:
+        on = [name for name in ("window_chain", "reanchor", "seed_window", "fill_levels") if getattr(self, name)]
+        return ", " + ", ".join(on) if on else ""
 
 
 def whole_number(value: object, what: str, minimum: int) -> None:
@@ -113,12 +133,38 @@ class LookaheadDecoder(Decoder):
         self.suffix = SuffixIndex()
         self.recycled = RecycleTable(ctx.model.config.vocab_size, settings.recycle_topk, ctx.device) \
             if settings.recycle_topk else None
+        self.window_chain_on, self.reanchor = settings.window_chain, settings.reanchor
+        self.unseeded = settings.seed_window  # the window still holds the random prompt tokens it started with
+        # With fill_levels, a window step feeds the levels written so far: shapes of 1..N-2 levels.
+        self.fill_shapes = [StepShape(LookaheadLayout(layout.window, f + 1, layout.guesses), True, ctx.device)
+                            for f in range(1, layout.levels)] if settings.fill_levels else []
 
     def step(self) -> Step:
         if self.near_end_of_context():
             return self.single_step()
         candidates = self.suffix_candidates() + self.candidates(self.layout.guesses) + self.recycled_candidates()
-        return self.run_step(self.full_shape, candidates)
+        return self.run_step(self.window_shape(), candidates + self.chain_candidates())
+
+    def window_shape(self) -> StepShape:
+        """The shape of a step with the window: all N - 1 levels, or (fill_levels) those written so far."""
+        if self.model_levels < len(self.fill_shapes):
+            return self.fill_shapes[self.model_levels]
+        return self.full_shape
+
+    def window_chain(self) -> tuple[int, ...]:
+        """The window's freshest guess for each position after x: slot (l, c) guesses position x's + l + c and
+        the newest level (N - 2) is the freshest, so column 0 of levels 1..N-2, then the newest level's columns
+        1..W-1 (W + N - 3 tokens). Empty until the model has written every level above level 0."""
+        if self.model_levels < max(1, self.layout.levels - 1):
+            return ()
+        return tuple(self.window[1:, 0].tolist() + self.window[-1, 1:].tolist())
+
+    def chain_candidates(self) -> list[tuple[int, ...]]:
+        """The window's chain as a candidate, cut to the context's room (none when the option is off)."""
+        if not self.window_chain_on:
+            return []
+        chain = self.window_chain()[:self.room()]
+        return [chain] if chain else []
 
     def recycled_candidates(self) -> list[tuple[int, ...]]:
         """k chains of N - 1 tokens from the recycling table (none when the option is off)."""
@@ -153,20 +199,48 @@ class LookaheadDecoder(Decoder):
         commits the accepted tokens' K/V, advances the window (if it ran) and emits. The Step's detail is the
         Verdict."""
         x = self.ctx.tokens[-1]
+        if shape.with_window and self.unseeded:
+            self.fill_window_from_draft(0)
+            self.unseeded = False
         cands, lengths = padded_tokens(candidates)
         tree = CandidateTree.build(cands, lengths)
         verdict = self._forward_and_verify(shape, x, tree)
         self._commit(shape, tree, verdict)
+        emitted = self.emit(verdict.emitted)
         if shape.with_window:
             self._advance_window(x, verdict.new_level)
-        return Step(self.emit(verdict.emitted), shape.kind(len(candidates), cands.shape[1] if candidates else 0),
+        self.moved(len(emitted) - shape.with_window)
+        return Step(emitted, shape.kind(len(candidates), cands.shape[1] if candidates else 0),
                     shape.n_base + tree.size, verdict)
+
+    def moved(self, shift: int) -> None:
+        """x moved `shift` positions further than the window's slots assume (a window step assumes one): with
+        `reanchor`, the columns move left by that much, so that slot (l, c) still guesses position x's + l + c,
+        and the columns that open on the right take a suffix draft's guesses (or keep their old tokens)."""
+        if not self.reanchor or shift <= 0:
+            return
+        W = self.layout.window
+        s = min(shift, W)
+        self.window = torch.cat([self.window[:, s:], self.window[:, W - s:]], dim=1)  # contiguous (N-1, W)
+        self.fill_window_from_draft(W - s)
+
+    def fill_window_from_draft(self, first_column: int) -> None:
+        """Put a suffix draft of the text into the window's columns first_column..W-1: slot (l, c) takes the
+        draft's guess for position x's + l + c. Nothing changes where the text's ending never occurred before."""
+        levels, W = self.layout.levels, self.layout.window
+        drafts = self.suffix.drafts(self.ctx.tokens, levels + W - 2)
+        if not drafts:
+            return
+        guess = drafts[0].tokens  # guess[j]: for position x's + 1 + j
+        for level in range(levels):
+            for column in range(max(first_column, 1 - level), W):
+                self.window[level, column] = guess[level + column - 1]
 
     def _forward_and_verify(self, shape: StepShape, x: int, tree: CandidateTree) -> Verdict:
         ctx, layout = self.ctx, self.layout
         g, device = tree.node_of.shape[0], ctx.device
         if shape.with_window:
-            base = self.window.flatten()  # a view: this also puts x into the window's slot [0, 0]
+            base = self.window[:shape.n_base // layout.window].flatten()  # a view: x goes into slot [0, 0] too
             base[0] = x
         else:
             base = torch.tensor([x])
@@ -220,9 +294,14 @@ class LookaheadDecoder(Decoder):
         cache.compact(torch.cat([torch.zeros(1, dtype=torch.long), nodes]).to(self.ctx.device))
 
     def _advance_window(self, x: int, new_level: list[int]) -> None:
-        """Pool the n-grams the window's columns spell, then shift the levels down and append the new one."""
+        """Pool the n-grams the window's columns spell, then shift the levels down and append the new one (while
+        filling level by level, the new level goes above the ones written so far, nothing shifts)."""
         new = torch.tensor(new_level, dtype=torch.long)[None]
         self.window[0, 0] = x
+        if self.model_levels < len(self.fill_shapes):
+            self.window[self.model_levels + 1] = new[0]
+            self.model_levels += 1
+            return
         if self.model_levels >= self.layout.levels - 1:  # levels 1..N-2 are the model's own: real n-grams
             for column in torch.cat([self.window, new]).T.tolist():
                 self.pool.add(column[0], tuple(column[1:]), from_window=True)

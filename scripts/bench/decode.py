@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_prompt_options(p, n_prompts=20)
     p.add_argument("--dtype", choices=CPU_DTYPES, default="float32", help="the weights' dtype")
     add_settings_option(p, DEFAULT_SETTINGS)
+    p.add_argument("--no-lookahead", action="store_true",
+                   help="leave out the lookahead rows (--settings then only add their sizes to the step-cost curve)")
     p.add_argument("--auto", type=auto_setting, default="5,4,5", metavar="W,N,G",
                    help="the auto strategy's largest step; 'none' leaves the auto row out")
     p.add_argument("--temperatures", nargs="+", type=sampling_temperature, default=[0.0],
@@ -113,7 +115,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def contenders(args: argparse.Namespace, temperature: float) -> list[Contender]:
     """The rows at one temperature: transformers generate is greedy only, so it joins at temperature 0."""
-    rows = [Contender(AR, "minilade", Autoregressive())] + [lookahead_contender(s) for s in args.settings]
+    settings = [] if args.no_lookahead else args.settings
+    rows = [Contender(AR, "minilade", Autoregressive())] + [lookahead_contender(s) for s in settings]
     if args.auto:
         rows.append(Contender(AUTO, "minilade", Auto(*args.auto)))
     if temperature == 0 and not args.no_transformers:

@@ -94,3 +94,29 @@ def plot_step_costs(Figure: Any, costs: dict[int, float], source: str, marks: di
     ax.set_ylabel("time per pass / time of a 1-token pass")
     ax.set_title(f"step cost ({source})")
     write_png(path, fig)
+
+
+def plot_draft_ablation(Figure: Any, results: list[dict], label_key: str, title: str, path: Path) -> None:
+    """Compression (tokens per forward pass) per dataset (groups) and draft policy or strategy (bars), each bar
+    annotated with the rows it fed per step. results: rows of `replay rank` or `replay live` (dataset,
+    label_key, compression, rows_per_step)."""
+    datasets = list(dict.fromkeys(r["dataset"] for r in results))
+    labels = list(dict.fromkeys(r[label_key] for r in results))
+    fig = Figure(figsize=(max(7.0, 0.45 * len(labels) * len(datasets) + 2), 4.8))
+    ax = fig.subplots()
+    width = 0.8 / max(1, len(labels))
+    for j, label in enumerate(labels):
+        mine = {r["dataset"]: r for r in results if r[label_key] == label}
+        xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(datasets))]
+        heights = [mine[d]["compression"] if d in mine else 0 for d in datasets]
+        ax.bar(xs, heights, width, label=label)
+        for x, d, h in zip(xs, datasets, heights):
+            if d in mine:
+                ax.annotate(f"{mine[d]['rows_per_step']:.0f}", (x, h), fontsize=6, ha="center",
+                            xytext=(0, 2), textcoords="offset points")
+    ax.axhline(1.0, color="black", linewidth=1)
+    ax.set_xticks(range(len(datasets)), datasets)
+    ax.set_ylabel("tokens per forward pass (compression)")
+    ax.set_title(f"{title} (numbers on bars: rows fed per step)", fontsize=9)
+    ax.legend(fontsize=7)
+    write_png(path, fig)

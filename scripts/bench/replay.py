@@ -36,6 +36,7 @@ from minilade.drafts.sources import leading_matches, replay_calibration, text_so
 from minilade.drafts.suffix import SuffixIndex
 from minilade.drafts.tree import Calibration, DraftPath, DraftTree
 
+from . import plots
 from .common import (
     JobParser,
     UsageError,
@@ -210,9 +211,16 @@ def rank(args: argparse.Namespace, command: str) -> int:
             results.append(row)
             print(f"| {name} | {policy.name} | {row['compression']:.2f} | {row['rows_per_step']:.1f} | "
                   f"{row['speedup']:.2f} |", flush=True)
+    write_outputs(args, command, results, "policy", "replayed draft policies (greedy, text sources only)")
+    return 0
+
+
+def write_outputs(args: argparse.Namespace, command: str, results: list[dict], label_key: str, title: str) -> None:
+    """The table as JSON (--out) and as a bar chart (--plot)."""
     if args.out:
         write_json(args.out, dict(command=command, results=results), indent=1)
-    return 0
+    if args.plot:
+        plots.plot_draft_ablation(plots.import_figure(), results, label_key, title, args.plot)
 
 
 def parse_strategy(text: str) -> Strategy:
@@ -242,7 +250,7 @@ def live(args: argparse.Namespace, command: str) -> int:
     llm = LLM.load(args.ckpt, dtype="float32")
     print(f"command: {command}\n\n| dataset | strategy | compression | rows fed/step | exact |\n| --- | --- | --- | --- | --- |")
     results = []
-    for name in dict.fromkeys(r["dataset"] for r in records):
+    for name in [d for d in dict.fromkeys(r["dataset"] for r in records) if d in args.datasets]:
         mine = [r for r in records if r["dataset"] == name][:args.n_prompts]
         for text, strategy in zip(args.strategies, strategies):
             new = passes = fed = steps = exact = 0
@@ -257,8 +265,7 @@ def live(args: argparse.Namespace, command: str) -> int:
             results.append(row)
             print(f"| {name} | {text} | {row['compression']:.2f} | {row['rows_per_step']:.1f} | {row['exact']} |",
                   flush=True)
-    if args.out:
-        write_json(args.out, dict(command=command, results=results), indent=1)
+    write_outputs(args, command, results, "strategy", "live on the model (greedy, float32)")
     return 0
 
 
@@ -294,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", nargs="+", default=["auto:7,5,7"],
                    help="live: NAME:W,N,G[:field=value,...] (fields of the strategy, e.g. suffix_draft=16)")
     p.add_argument("--out", type=Path, default=None, help="rank, live: also write the table as JSON")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="rank, live: also draw the table as a bar chart (PNG; needs matplotlib)")
     return p
 
 

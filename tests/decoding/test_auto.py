@@ -188,3 +188,18 @@ def test_step_costs_on_a_short_context_use_only_its_positions(monkeypatch) -> No
     monkeypatch.setattr(Transformer, "forward", spy)
     assert set(step_costs.measure_step_costs(model, (1, 32, 40), context=128, repeats=1)) == {1, 32, 40}
     assert seen and all(0 <= low <= high < 32 for low, high in seen)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_auto_with_the_window_options_equals_autoregressive(seed: int) -> None:
+    """The window's chain as a draft source, re-anchoring and filling level by level: still exact."""
+    costs = costs_of(lambda T: 1.0 + 0.02 * T)  # cheap rows: the window and the chain get fed
+    model = tiny_model(vocab=8 + 4 * seed, seed=seed)
+    gen = torch.Generator().manual_seed(50 + seed)
+    for _ in range(3):
+        prompt = torch.randint(0, model.config.vocab_size, (12,), generator=gen).tolist()
+        expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=48)
+        strategy = Auto(3, 4, 3, costs=costs, window_chain=True, reanchor=True, fill_levels=True)
+        got, run = run_tokens(model, prompt, strategy, max_new_tokens=48)
+        assert got == expected, prompt
+        assert any(k.startswith("window+") for k in run.stats.step_kinds)

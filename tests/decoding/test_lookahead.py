@@ -167,3 +167,63 @@ def test_recycling_budgets_the_cache_and_validates_k() -> None:
     assert Lookahead(7, 5, 7, recycle_topk=3).max_step_tokens() == 56 + 3 * 4
     with pytest.raises(ValueError, match="recycle_topk .* must be a whole number >= 0"):
         Lookahead(recycle_topk=-1)
+
+
+WINDOW_OPTIONS = [dict(window_chain=True), dict(reanchor=True), dict(seed_window=True), dict(fill_levels=True),
+                  dict(window_chain=True, reanchor=True, seed_window=True, fill_levels=True, suffix_draft=4)]
+
+
+@pytest.mark.parametrize("model_seed", range(3))
+def test_greedy_with_the_window_options_equals_autoregressive(model_seed: int) -> None:
+    model = tiny_model(vocab=8 + 4 * model_seed, seed=model_seed)
+    strategies = [Lookahead(W, N, G, **options) for W, N, G in [(3, 4, 2), (1, 2, 1), (5, 3, 0)]
+                  for options in WINDOW_OPTIONS]
+    runs = checked_runs(model, 400 + model_seed, strategies)
+    chained = [run for s, run in runs if s.window_chain and s.guesses == 0]
+    assert any(run.stats.forward_passes < run.stats.new_tokens for run in chained), \
+        "the window's chain was never accepted: the test would prove nothing"
+
+
+def test_the_window_chain_is_the_freshest_guess_per_position() -> None:
+    from minilade.decoding.base import DecodeContext
+    from minilade.sampling import Sampler, SamplingParams
+
+    model = tiny_model(vocab=50, seed=0)
+    ctx = DecodeContext(model, model.new_cache(64), Sampler(SamplingParams(), model.device, [1], 50), [1, 2, 3], 64)
+    decoder = Lookahead(3, 4, 0, window_chain=True).make_decoder(ctx)
+    decoder.window = torch.tensor([[0, 1, 2], [10, 11, 12], [20, 21, 22]])  # slot (l, c) guesses x's + l + c
+    assert decoder.window_chain() == ()  # the model has not written the levels yet
+    decoder.model_levels = 2
+    assert decoder.window_chain() == (10, 20, 21, 22)  # positions x's + 1, + 2, + 3, + 4
+    assert Lookahead(3, 4, 0, window_chain=True).max_step_tokens() == 9 + 4
+
+
+def test_reanchoring_moves_the_columns_by_the_extra_tokens() -> None:
+    from minilade.decoding.base import DecodeContext
+    from minilade.sampling import Sampler, SamplingParams
+
+    model = tiny_model(vocab=50, seed=0)
+    ctx = DecodeContext(model, model.new_cache(64), Sampler(SamplingParams(), model.device, [1], 50),
+                        [40, 41, 42, 43], 64)  # no token recurs: no suffix draft fills the opened columns
+    decoder = Lookahead(4, 3, 0, reanchor=True).make_decoder(ctx)
+    decoder.window = torch.tensor([[0, 1, 2, 3], [10, 11, 12, 13]])
+    decoder.moved(2)
+    assert decoder.window.tolist() == [[2, 3, 2, 3], [12, 13, 12, 13]]
+    ctx.tokens += [5, 6, 5]  # now "5" occurred before, followed by 6 5: the draft 6 5 6 5 ...
+    decoder.moved(1)
+    assert decoder.window.tolist() == [[3, 2, 3, 6], [13, 12, 13, 5]]  # slot (l, 3) takes guess l + 2
+    off = Lookahead(4, 3, 0).make_decoder(ctx)
+    before = off.window.clone()
+    off.moved(2)
+    assert torch.equal(off.window, before)
+
+
+def test_filling_level_by_level_feeds_the_written_levels_only() -> None:
+    model = tiny_model(vocab=12, seed=1)
+    prompt = [1, 2, 3, 4, 5, 6]
+    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=30)
+    got, filled = run_tokens(model, prompt, Lookahead(3, 5, 0, fill_levels=True), max_new_tokens=30)
+    _, full = run_tokens(model, prompt, Lookahead(3, 5, 0), max_new_tokens=30)
+    assert got == expected
+    # The first three steps feed 1, 2 and 3 levels of 3 rows instead of 4 levels (G = 0: no candidates).
+    assert full.stats.tokens_fed - filled.stats.tokens_fed == (12 - 3) + (12 - 6) + (12 - 9)

@@ -23,6 +23,8 @@ SETTINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top
 LOOKAHEAD = Lookahead(window=3, ngram=3, guesses=4)
 RAGGED = Lookahead(window=2, ngram=3, guesses=3, suffix_draft=4, suffix_branches=2)  # paths of 1..4 tokens
 RECYCLED = Lookahead(window=1, ngram=3, guesses=2, recycle_topk=3)  # chains from the model's own top-3
+# The window's own chain of guesses as a draft, the window re-anchored and filled level by level.
+CHAINED = Lookahead(window=3, ngram=3, guesses=1, window_chain=True, reanchor=True, fill_levels=True)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +40,9 @@ def test_lookahead_sampling_matches_autoregressive_distribution(model, params: S
     assert chi_square_p_value(counts, exact, N_SAMPLES) > 1e-3
 
 
-@pytest.mark.parametrize("strategy,params", [(RAGGED, SETTINGS[0]), (RAGGED, SETTINGS[1]), (RECYCLED, SETTINGS[0])],
-                         ids=["ragged-" + str(SETTINGS[0]), "ragged-" + str(SETTINGS[1]), "recycled"])
+@pytest.mark.parametrize("strategy,params", [(RAGGED, SETTINGS[0]), (RAGGED, SETTINGS[1]), (RECYCLED, SETTINGS[0]),
+                                             (CHAINED, SETTINGS[0])],
+                         ids=["ragged-" + str(SETTINGS[0]), "ragged-" + str(SETTINGS[1]), "recycled", "window chain"])
 def test_ragged_and_recycled_drafts_keep_the_autoregressive_distribution(model, strategy, params) -> None:
     exact = exact_distribution(model, params)
     counts, accepted_steps = sample_counts(model, strategy, params, N_SAMPLES)

@@ -15,7 +15,7 @@ import torch
 
 from minilade.config import ModelConfig
 from scripts.bench import common, decode
-from scripts.bench.contenders import AR, HF_GENERATE, Contender
+from scripts.bench.contenders import AR, AUTO, HF_GENERATE, Contender
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None  # a bench extra, not a test one
 CONFIGS = ("minilade AR", "lookahead (2,3,2)", "lookahead (3,4,3)", "auto", "transformers generate",
@@ -180,6 +180,12 @@ def test_quick_changes_defaults_only() -> None:
     assert args.settings == [(7, 5, 7)] and args.auto is None
     assert (args.n_prompts, args.max_new_tokens, args.repeats, args.step_reps) == (1, 8, 1, 2)
     assert decode.parse_args([]).settings == [(7, 5, 7), (15, 5, 15), (3, 3, 3), (5, 4, 5), (1, 5, 3)]
+
+
+def test_no_lookahead_leaves_only_the_plain_and_auto_rows() -> None:
+    args = decode.parse_args(["--settings", "15,5,15", "--auto", "15,5,15", "--no-lookahead", "--no-transformers"])
+    assert [c.label for c in decode.contenders(args, 0.0)] == [AR, AUTO]
+    assert 120 in decode.default_step_sizes(args.settings)  # the settings still size the step-cost curve
 
 
 def test_flops_per_step_formula() -> None:

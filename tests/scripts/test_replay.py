@@ -1,0 +1,52 @@
+"""scripts/bench/replay.py: greedy steps replayed over saved outputs, policies and strategies from their text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from minilade.decoding.step_costs import StepCosts
+from scripts.bench import replay
+from scripts.bench.common import UsageError
+
+COSTS = StepCosts({1: 1.0, 64: 2.0})
+
+
+def test_a_suffix_draft_is_accepted_up_to_its_first_wrong_token() -> None:
+    # The prefill emits 1; "1" occurred at the start, followed by 2 3 4: drafted, and right up to the 9.
+    done = replay.replay(replay.parse_policy("suffix:4,1", COSTS).make([1, 2, 3, 4]), [1, 2, 3, 4], [1, 2, 3, 4, 9],
+                         COSTS)
+    assert (done.new_tokens, done.passes, done.rows) == (5, 2, 1 + 4)
+
+
+def test_a_policy_that_drafts_nothing_replays_plain_decoding() -> None:
+    done = replay.replay(replay.parse_policy("pool:3,2", COSTS).make([5, 6]), [5, 6], [7, 8, 9], COSTS)
+    assert (done.passes, done.rows) == (3, 2)
+
+
+@pytest.mark.parametrize("text", ["suffix:4", "pool:a,b", "nope:1,2", "auto:1,1,1,1,0"])
+def test_bad_policies_are_refused_in_one_line(text: str) -> None:
+    with pytest.raises(UsageError, match="bad policy"):
+        replay.parse_policy(text, COSTS)
+
+
+def test_strategies_take_their_fields_and_refuse_unknown_ones() -> None:
+    strategy = replay.parse_strategy("lookahead:7,5,7:reanchor=1,window_chain=1")
+    assert (strategy.window, strategy.ngram, strategy.reanchor, strategy.window_chain) == (7, 5, 1, 1)
+    with pytest.raises(UsageError, match="no setting 'windowchain'"):
+        replay.parse_strategy("lookahead:7,5,7:windowchain=1")
+
+
+def test_rank_writes_the_table_and_the_plot(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    saved = tmp_path / "ar.json"
+    saved.write_text(json.dumps(dict(records=[dict(dataset="humaneval", index=0, prompt=[1, 2, 3, 4],
+                                                   output=[1, 2, 3, 4, 9])])))
+    out, plot = tmp_path / "rank.json", tmp_path / "rank.png"
+    assert replay.main(["rank", "--ar", str(saved), "--policies", "suffix:4,1", "--out", str(out),
+                        "--plot", str(plot)]) == 0
+    assert "| humaneval | suffix:4,1 | 2.50 | 5.0 |" in capsys.readouterr().out
+    assert json.loads(out.read_text())["results"][0]["compression"] == 2.5
+    assert plot.read_bytes()[:4] == b"\x89PNG"
