@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from minilade.cli import build_parser, settings_from_args
 from minilade.generate import main
 from minilade.llm import LLM
 from minilade.tokenizer import Tokenizer
@@ -210,3 +211,21 @@ def test_list_models_prints_the_support_table_without_a_checkpoint(capsys) -> No
     assert main(["--list-models", "--ckpt", "/nonexistent.gguf"]) == 0  # never looks for a checkpoint
     out = capsys.readouterr().out
     assert out == describe_support() + "\n" and "Qwen2" in out and "Q6_K" in out
+
+
+def test_window_options_reach_the_strategy_and_keep_the_output() -> None:
+    flags = ["--window-chain", "--reanchor", "--seed-window", "--fill-levels"]
+    for strategy in ("lookahead", "auto"):
+        on = settings_from_args(build_parser().parse_args(["p", "--strategy", strategy, *flags])).strategy
+        off = settings_from_args(build_parser().parse_args(["p", "--strategy", strategy])).strategy
+        assert (on.window_chain, on.reanchor, on.seed_window, on.fill_levels) == (True,) * 4
+        assert (off.window_chain, off.reanchor, off.seed_window, off.fill_levels) == (False,) * 4
+
+
+def test_window_options_on_the_command_line_give_plain_decodings_tokens(tiny_checkpoint: Path) -> None:
+    common = ["a b c d", "--ckpt", str(tiny_checkpoint), "--json", "--max-new-tokens", "12"]
+    plain = run_cli(*common, "--strategy", "autoregressive")
+    fast = run_cli(*common, "--strategy", "lookahead", "-W", "3", "-N", "3", "-G", "2", "--window-chain",
+                   "--reanchor", "--seed-window", "--fill-levels")
+    assert plain.returncode == 0 and fast.returncode == 0, plain.stderr + fast.stderr
+    assert json.loads(fast.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
