@@ -25,12 +25,10 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from minilade import LLM
-from minilade.checkpoints import DEFAULT_CHECKPOINT
 from minilade.invariance import KeyLayout, invariant_attention
 from minilade.model import Block, Transformer, apply_rope
 
-from .one_token_step import cpu_flags
+from .one_token_step import cpu_flags, load_model, step_parser
 
 
 def before_attention(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -104,18 +102,10 @@ def compiled(model: Transformer, args: argparse.Namespace, eager_rows: list[torc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", default=DEFAULT_CHECKPOINT)
-    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none")
-    p.add_argument("--context", type=int, default=100)
-    p.add_argument("--steps", type=int, default=30)
+    p = step_parser(__doc__, steps=30)
     p.add_argument("--width", type=int, default=8, help="rows of the wide steps checked for invariance")
-    p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    llm = LLM.load(args.ckpt, dtype="float32", quantize=None if args.quantize == "none" else args.quantize,
-                   progress=False)
-    model, warm = llm.model, 5
+    model, warm = load_model(args), 5
     with torch.inference_mode():
         eager_s, eager_rows = run_steps(model, args.context, args.steps)
         result = dict(quantize=args.quantize, threads=args.threads, cpu_flags=cpu_flags(),

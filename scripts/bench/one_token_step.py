@@ -23,6 +23,7 @@ import torch
 
 from minilade import LLM
 from minilade.checkpoints import DEFAULT_CHECKPOINT
+from minilade.model import Transformer
 
 
 def cpu_flags() -> str:
@@ -35,18 +36,28 @@ def cpu_flags() -> str:
     return " ".join(sorted(f for f in flags if f.startswith(("avx", "amx"))))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def step_parser(description: str, steps: int) -> argparse.ArgumentParser:
+    """The options of the jobs that time one-token steps of the real model (this one and compile_regions)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default=DEFAULT_CHECKPOINT)
     p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none")
     p.add_argument("--context", type=int, default=100)
-    p.add_argument("--steps", type=int, default=70)
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args(argv)
+    return p
+
+
+def load_model(args: argparse.Namespace) -> Transformer:
+    """The model as LLM.load runs it (float32 around any quantized layers), on args.threads torch threads."""
     torch.set_num_threads(args.threads)
-    llm = LLM.load(args.ckpt, dtype="float32", quantize=None if args.quantize == "none" else args.quantize,
-                   progress=False)
-    model, warm_up = llm.model, 10
+    quantize = None if args.quantize == "none" else args.quantize
+    return LLM.load(args.ckpt, dtype="float32", quantize=quantize, progress=False).model
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = step_parser(__doc__, steps=70).parse_args(argv)
+    model = load_model(args)
+    warm_up = 10
     with torch.inference_mode():
         cache = model.new_cache(args.context + args.steps + warm_up)
         model(torch.randint(0, model.config.vocab_size, (1, args.context)), torch.arange(args.context), cache)
