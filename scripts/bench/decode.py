@@ -84,8 +84,27 @@ STEP_COST_SOURCE = "minilade.decoding.step_costs.measure_step_costs"
 
 # ---- command line ----------------------------------------------------------------------------------------------
 
-def auto_setting(text: str) -> Setting | None:
-    return None if text == "none" else lookahead_setting(text)
+def auto_setting(text: str) -> tuple[Setting, dict[str, int]] | None:
+    """'none' (no auto row), or 'W,N,G[:field=value,...]': auto's largest step and other Auto fields, e.g.
+    7,5,7:recycle_topk=2 (values are whole numbers; 0/1 switch the window options)."""
+    if text == "none":
+        return None
+    shape, _, extra = text.partition(":")
+    fields = {}
+    for item in filter(None, extra.split(",")):
+        key, _, value = item.partition("=")
+        if key not in Auto.__dataclass_fields__ or key in ("window", "ngram", "guesses", "costs"):
+            raise argparse.ArgumentTypeError(f"bad auto setting {text!r}: auto has no field {key!r} to set here")
+        try:
+            fields[key] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad auto setting {text!r}: {key} needs a whole number") from None
+    setting = lookahead_setting(shape)
+    try:
+        Auto(*setting, **fields)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"bad auto setting {text!r}: {e}") from None
+    return setting, fields
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_option(p, DEFAULT_SETTINGS)
     p.add_argument("--no-lookahead", action="store_true",
                    help="leave out the lookahead rows (--settings then only add their sizes to the step-cost curve)")
-    p.add_argument("--auto", type=auto_setting, default="5,4,5", metavar="W,N,G",
-                   help="the auto strategy's largest step; 'none' leaves the auto row out")
+    p.add_argument("--auto", type=auto_setting, default="5,4,5", metavar="W,N,G[:FIELD=N,...]",
+                   help="the auto strategy's largest step, and other Auto fields (7,5,7:recycle_topk=2); "
+                        "'none' leaves the auto row out")
     p.add_argument("--temperatures", nargs="+", type=sampling_temperature, default=[0.0],
                    help="0 = greedy (all rows); T > 0 runs the minilade rows sampled, seeded per prompt")
     p.add_argument("--prompt-lookup-tokens", type=positive_int, default=10,
@@ -118,7 +138,8 @@ def contenders(args: argparse.Namespace, temperature: float) -> list[Contender]:
     settings = [] if args.no_lookahead else args.settings
     rows = [Contender(AR, "minilade", Autoregressive())] + [lookahead_contender(s) for s in settings]
     if args.auto:
-        rows.append(Contender(AUTO, "minilade", Auto(*args.auto)))
+        setting, fields = args.auto
+        rows.append(Contender(AUTO, "minilade", Auto(*setting, **fields)))
     if temperature == 0 and not args.no_transformers:
         rows += [Contender(HF_GENERATE, "transformers"),
                  Contender(HF_PROMPT_LOOKUP, "transformers", prompt_lookup=args.prompt_lookup_tokens)]

@@ -194,3 +194,20 @@ def test_flops_per_step_formula() -> None:
     assert decode.step_shape((3, 2, 3)) == ((3 + 3) * 1, 0 + 3 + 3 * 1)  # N = 2: the input token is not projected
     non_embedding = config.n_params - config.vocab_size * config.dim  # tied: the embedding is counted once
     assert decode.flops_per_step(config, 1, 1) == 2 * non_embedding + 2 * config.vocab_size * config.dim
+
+
+def test_auto_takes_other_fields_after_its_step() -> None:
+    args = decode.parse_args(["--auto", "7,5,7:recycle_topk=2,window_chain=1"])
+    assert args.auto == ((7, 5, 7), {"recycle_topk": 2, "window_chain": 1})
+    auto = next(c for c in decode.contenders(args, 0.0) if c.label == decode.AUTO).strategy
+    assert (auto.window, auto.ngram, auto.guesses, auto.recycle_topk, auto.window_chain) == (7, 5, 7, 2, 1)
+
+
+@pytest.mark.parametrize("text, fact", [("7,5,7:nonsense=1", "auto has no field 'nonsense'"),
+                                        ("7,5,7:recycle_topk=x", "recycle_topk needs a whole number"),
+                                        ("7,5,7:draft_budget=0", "draft_budget"),
+                                        ("7,5,7:costs=1", "auto has no field 'costs'")])
+def test_bad_auto_fields_are_one_line_errors(text: str, fact: str, stderr_line) -> None:
+    assert decode.main(["--auto", text]) == 2
+    line = stderr_line()
+    assert line.startswith("error: argument --auto: bad auto setting") and fact in line
