@@ -193,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run_interactive(llm, args, settings)
             else:
                 run_once(llm, args, settings)
+        shutdown(finished=True)
     except (ValueError, CheckpointError, TokenizerError, UnsupportedModelError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -107,7 +107,12 @@ def gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def shutdown() -> None:
-    """Leave the process group, if this process is in one (at the end of a run)."""
+def shutdown(finished: bool = False) -> None:
+    """Leave the process group, if this process is in one (at the end of a run). finished: every rank got here
+    normally, so they first wait for one another and none closes its connections while another may still read
+    from them (gloo aborts a process whose peer vanished mid-read: "terminate called without an active
+    exception"). After a failure there is no barrier: it could wait for a rank that never comes."""
     if dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
