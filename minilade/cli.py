@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("hardware")
     d.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (CUDA only)")
     d.add_argument("--quantize", choices=["int8", "int4"], default=None,
-                   help="keep linear weights quantized (CPU): int8 per channel, int4 in groups")
+                   help="keep weights quantized (CPU): linear layers int8 per channel or int4 in groups, "
+                        "the embedding int8 in groups of 32")
     d.add_argument("--group-size", type=int, default=32, help="int4 group size: 32, 64, 128 or 256")
     d.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, statistics)")

@@ -23,7 +23,7 @@ from torch import nn
 
 from .checkpoints import DEFAULT_CHECKPOINT, Checkpoint, build_model, open_checkpoint
 from .checkpoints.generation_config import defaults_from_hf, merge_sampling, read_generation_defaults
-from .checkpoints.gguf_quant import gguf_int4_weights
+from .checkpoints.gguf_quant import gguf_embedding, gguf_int4_weights
 from .checkpoints.hf import config_from_hf
 from .decoding import GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens, make_strategy
 from .decoding.loop import cache_for
@@ -31,7 +31,7 @@ from .device import choose_dtype, default_device, make_invariant, resolve_dtype
 from .kv_cache import KVCache
 from .model import Transformer
 from .parallel import load_shard
-from .quant import check_options, linear_modules, map_rows, quantize_linears
+from .quant import check_options, linear_modules, map_rows, quantize_embedding, quantize_linears
 from .tokenizer import StreamDecoder, Tokenizer
 
 Messages = list[dict[str, str]]
@@ -75,8 +75,9 @@ class LLM:
         fastest dtype that passes the check, measured. False keeps the stock kernels (for kernel benchmarks).
         check_file: a JSON file where what the check found is kept per machine (None: checked at every load).
         quantize: "int8" (per output channel) or "int4" (groups of group_size inputs) keeps the linear layers
-        quantized (CPU only, bfloat16 inside the layer, see quant.py); int4 in groups of 32 takes a GGUF file's
-        Q4_0/Q4_1 codes as they are.
+        quantized (CPU only, bfloat16 inside the layer, see quant.py), and the token embedding as int8 in groups
+        of 32; int4 in groups of 32 takes a GGUF file's Q4_0/Q4_1 codes as they are, and the embedding its Q8_0
+        codes.
         tensor_parallel: this process is one rank of a run launched by torchrun; it loads and runs only its shard
         (minilade/parallel; dtype auto is float32 on the CPU, the check is made at every load, no quantization)."""
         if quantize is not None:
@@ -94,8 +95,7 @@ class LLM:
         tokenizer = Tokenizer.from_checkpoint(checkpoint.path, gguf_metadata=metadata)
         defaults = read_generation_defaults(checkpoint.path)
         model = checkpoint.load_model(dtype=dtype, device=device)
-        file_codes = quantize == "int4" and group_size == 32 and checkpoint.format == "gguf"
-        blocks = gguf_codes(checkpoint, model, tokenizer.vocab_size) if file_codes else {}
+        blocks = gguf_codes(checkpoint, model, tokenizer.vocab_size, quantize, group_size) if quantize else {}
         llm = cls.prepared(model, tokenizer, str(checkpoint.path), exact=exact, measure_dtype=measure_dtype,
                            check_file=check_file, quantize=quantize, group_size=group_size, blocks=blocks)
         llm.generation_defaults = defaults
@@ -130,12 +130,15 @@ class LLM:
     def prepared(cls, model: Transformer, tokenizer: Tokenizer, name: str, *, exact: bool = True,
                  measure_dtype: bool = False, check_file: str | Path | None = None, quantize: str | None = None,
                  group_size: int = 32, blocks: dict | None = None) -> LLM:
-        """The last steps of loading: the output head cut to the tokenizer's vocabulary; linear layers quantized
-        when asked (taking `blocks`, a file's own codes, as they are); the model made batch-invariant (in the
-        fastest exact dtype when measure_dtype and nothing is quantized, see device.choose_dtype)."""
+        """The last steps of loading: the output head cut to the tokenizer's vocabulary; linear layers and the
+        embedding quantized when asked (taking `blocks`, a file's own codes by module name, as they are); the
+        model made batch-invariant (in the fastest exact dtype when measure_dtype and nothing is quantized, see
+        device.choose_dtype)."""
         drop_padded_logits(model, tokenizer.vocab_size)
         if quantize is not None:
+            blocks = dict(blocks or {})
             quantize_linears(model, quantize, group_size, weights=blocks)
+            quantize_embedding(model, blocks.pop("tok_embeddings", None))
         if exact and measure_dtype and quantize is None and model.device.type == "cpu":
             model = choose_dtype(model, check_file)
         elif exact:
@@ -242,12 +245,21 @@ class TextStream:
         self.result = Generation(text, ids, self.prompt_ids, self._run.finish_reason, self._run.stats)
 
 
-def gguf_codes(checkpoint: Checkpoint, model: Transformer, n_tokens: int) -> dict:
-    """The GGUF file's own int4 codes for the model's linear layers (Q4_0/Q4_1 tensors), the output head's cut to
-    the tokenizer's vocabulary as drop_padded_logits cuts the float head."""
-    blocks = gguf_int4_weights(checkpoint.source, [name for name, *_ in linear_modules(model)])
-    if "output" in blocks:
-        blocks["output"] = map_rows(blocks["output"], lambda rows: rows[:n_tokens])
+def gguf_codes(checkpoint: Checkpoint, model: Transformer, n_tokens: int, quantize: str, group_size: int) -> dict:
+    """A GGUF file's own codes, by module name, where they map exactly onto the quantized layers asked for: the
+    token embedding's Q8_0 rows (any quantize), and for int4 in groups of 32 the linear layers' Q4_0/Q4_1 tensors,
+    the output head's cut to the tokenizer's vocabulary as drop_padded_logits cuts the float head. Empty for other
+    formats."""
+    if checkpoint.format != "gguf":
+        return {}
+    blocks: dict = {}
+    if quantize == "int4" and group_size == 32:
+        blocks = gguf_int4_weights(checkpoint.source, [name for name, *_ in linear_modules(model)])
+        if "output" in blocks:
+            blocks["output"] = map_rows(blocks["output"], lambda rows: rows[:n_tokens])
+    embedding = gguf_embedding(checkpoint.source)
+    if embedding is not None:
+        blocks["tok_embeddings"] = embedding
     return blocks
 
 

@@ -152,11 +152,13 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tok_embeddings.weight.dtype
+        """The activations' dtype, that of the float weights (read off the final norm: the embedding and
+        linear layers may be quantized, quant.py)."""
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.tok_embeddings.weight.device
+        return self.norm.weight.device
 
     @property
     def invariant_steps(self) -> bool:
@@ -218,7 +220,7 @@ class Transformer(nn.Module):
         self.cover_positions(cache.capacity)
         cos, sin = self.rotary(input_pos)  # (B|1, T, 1, D)
         attn_mask = self.attention_mask(mask, cache.length, T, input_pos)
-        x = self.tok_embeddings(tokens)
+        x = self.tok_embeddings(tokens).to(self.dtype)  # a quantized embedding returns float32
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, attn_mask)
         if logits_rows is not None:

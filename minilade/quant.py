@@ -1,4 +1,5 @@
-"""Weight-only quantized linear layers (int8 per output channel, int4 in groups) on PyTorch's own CPU kernels.
+"""Weight-only quantized linear layers (int8 per output channel, int4 in groups) on PyTorch's own CPU kernels, and
+a token embedding kept as int8 in groups.
 
 A one-token decoding step reads every weight once, so its time is set by the bytes of weights read. Keeping the
 weights quantized reads 1 byte (int8) or about 0.6 byte (int4, group 32) per weight instead of 4 (float32).
@@ -15,6 +16,9 @@ Facts measured with torch 2.13 on an AVX2 CPU (scripts/bench/quant.py prints the
 - From about 16-32 rows on a dense float32 matmul is faster; `dense_from_rows` switches to a dequantized float32
   copy there, which costs 4 bytes a weight more and breaks batch invariance (the two kernels round differently),
   so it is off by default.
+The embedding is only looked up, never multiplied, so it needs no kernel: QuantizedEmbedding keeps int8 codes with
+a scale per 32 values (GGUF's Q8_0, taken code for code from such a file) and dequantizes the rows a step looks
+up. A 7B model's embedding then takes 0.15 GB instead of 0.52 GB in float32.
 """
 
 from __future__ import annotations
@@ -92,6 +96,44 @@ class Int4Weight:
         N, K = self.codes.shape
         signed = (self.codes.double() - INT4_OFFSET).reshape(N, -1, self.group_size)
         return (signed * self.scales[..., None].double() + self.zeros[..., None].double()).reshape(N, K).float()
+
+
+@dataclass(frozen=True)
+class Int8GroupWeight:
+    """A weight (N, K) as int8 codes with one scale per group of `group_size` along K:
+    w[n, k] = codes[n, k] * scales[n, k // group_size]. GGUF's Q8_0 is exactly this with groups of 32 and float16
+    scales (kept here in float32, where a float16 scale times an 8-bit code is exact). No torch kernel multiplies
+    by it; QuantizedEmbedding looks rows up in it."""
+
+    codes: torch.Tensor  # (N, K) int8 in [-127, 127]
+    scales: torch.Tensor  # (N, K // group_size) float32
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[1]
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, group_size: int = 32) -> "Int8GroupWeight":
+        """Symmetric round-to-nearest per group, as llama.cpp's Q8_0 quantizes (scale = largest magnitude / 127),
+        with the scale rounded to float16 first and the codes chosen for the rounded scale."""
+        N, K = weight.shape
+        if K % group_size:
+            raise ValueError(f"int8 groups need a width divisible by group_size; got {K} and {group_size}")
+        w = weight.detach().float().reshape(N, K // group_size, group_size)
+        tiny = torch.finfo(torch.float16).tiny
+        scales = (w.abs().amax(dim=-1) / 127).clamp_min(tiny).to(torch.float16).float()
+        codes = torch.round(w / scales[..., None]).clamp_(-127, 127).to(torch.int8)
+        return cls(codes.reshape(N, K), scales)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The weight's rows at `index` (any shape of int64), dequantized: index.shape + (K,) float32."""
+        codes, scales = self.codes[index], self.scales[index]
+        grouped = codes.unflatten(-1, (-1, self.group_size)).float() * scales[..., None]
+        return grouped.flatten(-2)
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32."""
+        return self.rows(torch.arange(self.codes.shape[0]))
 
 
 QuantizedWeight = Union[Int8Weight, Int4Weight]
@@ -195,6 +237,47 @@ class QuantizedLinear(nn.Module):
         group = f", group_size={self.group_size}" if self.mode == "int4" else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}{group}, "
                 f"kernel_dtype={self.kernel_dtype}, dense_from_rows={self.dense_from_rows}")
+
+
+class QuantizedEmbedding(nn.Module):
+    """A token embedding kept as int8 codes in groups (Int8GroupWeight): about 1.1 bytes a weight instead of 4, so a
+    7B model's embedding takes 0.15 GB instead of 0.52. A lookup dequantizes only the rows it returns.
+
+    tokens: (...) int64 -> (..., K) float32, every value exactly codes * scale (Transformer.forward converts it to
+    the model's dtype). A GGUF file's Q8_0 embedding is taken code for code, so its rows equal the float path's."""
+
+    def __init__(self, weight: Int8GroupWeight) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.codes.shape
+        self.group_size = weight.group_size
+        self.register_buffer("codes", weight.codes.contiguous())
+        self.register_buffer("scales", weight.scales.float().contiguous())
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> "QuantizedEmbedding":
+        """model.to(device) moves the scales; model.to(dtype) must not round them."""
+        super()._apply(fn, recurse)
+        self.scales = self.scales.float()
+        return self
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return Int8GroupWeight(self.codes, self.scales).rows(tokens)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8, group_size={self.group_size}"
+
+
+def quantize_embedding(model: nn.Module, weight: Int8GroupWeight | None = None, group_size: int = 32) -> nn.Module:
+    """Replace the model's float token embedding (`tok_embeddings`) by a QuantizedEmbedding, in place; returns the
+    model. weight: the codes to take as they are (a GGUF file's Q8_0 rows), else the float embedding is quantized.
+    A head tied to the embedding keeps the float matrix alive unless it was quantized first (quantize_linears)."""
+    embedding = model.tok_embeddings
+    if weight is None:
+        weight = Int8GroupWeight.from_float(embedding.weight, group_size)
+    elif tuple(weight.codes.shape) != tuple(embedding.weight.shape):
+        raise ValueError(f"tok_embeddings: given weight has shape {tuple(weight.codes.shape)}, "
+                         f"the embedding {tuple(embedding.weight.shape)}")
+    model.tok_embeddings = QuantizedEmbedding(weight).to(embedding.weight.device)
+    return model
 
 
 def pack_int4(codes: torch.Tensor, rows: int = PACK_ROWS) -> torch.Tensor:

@@ -9,14 +9,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minilade.config import ModelConfig
 from minilade.decoding import Autoregressive, Lookahead
+from minilade.model import Transformer
 from minilade.quant import (
     Int4Weight,
+    Int8GroupWeight,
     Int8Weight,
+    QuantizedEmbedding,
     QuantizedLinear,
     cat_rows,
     map_rows,
     pack_int4,
+    quantize_embedding,
     quantize_linears,
     quantize_weight,
     weight_bytes,
@@ -142,7 +147,7 @@ def test_quantize_linears_swaps_every_linear_and_reports_memory() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", MODES)
 def test_greedy_lookahead_equals_autoregressive_under_quantized_weights(mode: str, dtype: torch.dtype) -> None:
-    model = quantize_linears(tiny_model(preset="tiny-mha", seed=3, dtype=dtype), mode, 32)
+    model = quantize_embedding(quantize_linears(tiny_model(preset="tiny-mha", seed=3, dtype=dtype), mode, 32))
     prompt = [1, 2, 3, 4, 1, 2, 3]
     plain, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=40)
     ahead, run = run_tokens(model, prompt, Lookahead(window=4, ngram=3, guesses=4), max_new_tokens=40)
@@ -160,6 +165,45 @@ def test_quantized_model_differs_from_float_only_slightly() -> None:
         want = model(tokens, torch.arange(5), model.new_cache(8))
         got = quantized(tokens, torch.arange(5), quantized.new_cache(8))
     assert (got - want).abs().max() < 0.02 * want.abs().max()
+
+
+def test_int8_groups_round_trip_within_half_a_step_and_look_rows_up() -> None:
+    w = random_weight(n=40, k=96)
+    q = Int8GroupWeight.from_float(w, group_size=32)
+    assert q.codes.dtype == torch.int8 and q.scales.shape == (40, 3) and q.group_size == 32
+    assert torch.equal(q.scales, q.scales.half().float())  # scales are float16 values, as in GGUF's Q8_0
+    step = q.scales.repeat_interleave(32, dim=1)
+    assert ((q.dequantize() - w).abs() <= step / 2 * (1 + 1e-6)).all()
+    index = torch.tensor([[3, 0], [39, 3]])
+    assert torch.equal(q.rows(index), q.dequantize()[index])
+    with pytest.raises(ValueError, match="^int8 groups need a width divisible by group_size; got 96 and 64$"):
+        Int8GroupWeight.from_float(w, group_size=64)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantized_embedding_looks_up_the_dequantized_rows_and_frees_the_float_matrix(tied: bool) -> None:
+    """The model with a quantized embedding computes exactly as the float model whose embedding is the dequantized
+    matrix; the float matrix is gone (for a tied head, once the head is quantized); the scales stay float32 when
+    the model changes dtype."""
+    config = ModelConfig.preset("tiny-mha").replace(vocab_size=64, tie_word_embeddings=tied)
+    model = quantize_linears(Transformer(config).init_random(std=0.1).eval(), "int8")
+    reference = copy.deepcopy(model)
+    before = weight_bytes(model)
+    quantize_embedding(model)
+    embedding = model.tok_embeddings
+    assert isinstance(embedding, QuantizedEmbedding)
+    with torch.no_grad():
+        reference.tok_embeddings.weight.copy_(Int8GroupWeight(embedding.codes, embedding.scales).dequantize())
+    tokens = torch.tensor([[1, 2, 3, 60, 5]])
+    with torch.no_grad():
+        got = model(tokens, torch.arange(5), model.new_cache(8))
+        want = reference(tokens, torch.arange(5), reference.new_cache(8))
+    assert torch.equal(got, want)
+    V, D = embedding.codes.shape
+    assert weight_bytes(model) == before - V * D * 4 + V * D + V * (D // 32) * 4
+    model.to(torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and model.tok_embeddings.scales.dtype == torch.float32
+    assert model(tokens, torch.arange(5), model.new_cache(8)).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("options, fragment", [

@@ -9,8 +9,10 @@ d * (q - 8) is exact in float32 (11-bit by 4-bit), m + 8 d is exact for every bl
 `exact_zero_points`), and the kernel's single rounding of (q - 8) * d + (m + 8 d) is gguf-py's rounding of
 d * q + m. The fast (bfloat16) kernels need the scales in bfloat16, which keeps only 8 of float16's 11 significant
 bits: exact there only for the blocks whose d and zero happen to fit (`bfloat16_exact_fraction`).
-Q8_0 (blocks of 32 int8 codes with a float16 scale each) maps onto no torch kernel: `_weight_int8pack_mm` has one
-scale per output channel. Q8_0 and the K-quants are dequantized by gguf.py as before.
+Q8_0 (blocks of 32 int8 codes with a float16 scale each, w = d * q) maps onto no torch matmul kernel
+(`_weight_int8pack_mm` has one scale per output channel), but it is exactly quant.Int8GroupWeight, which the
+quantized token embedding looks rows up in (`int8_from_q8_0`). Q8_0 linear layers and the K-quants are dequantized
+by gguf.py as before.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from ..quant import Int4Weight, cat_rows, map_rows
+from ..quant import Int4Weight, Int8GroupWeight, cat_rows, map_rows
 from .gguf import GGUFTensors, unpermute_rotary
 from .names import checkpoint_tensors
 
@@ -47,6 +49,25 @@ def int4_from_blocks(data: np.ndarray, kind: QType) -> Int4Weight:
     zeros = _float16(blocks, 2) + 8 * d if kind == QType.Q4_1 else np.full_like(d, -0.0)
     return Int4Weight(torch.from_numpy(codes.reshape(rows.shape[0], -1)), torch.from_numpy(d),
                       torch.from_numpy(zeros))
+
+
+def int8_from_q8_0(data: np.ndarray) -> Int8GroupWeight:
+    """GGUF rows of Q8_0 blocks (float16 d, then 32 int8 codes), (N, bytes per row) uint8, as an Int8GroupWeight
+    (N, K) with group 32 and the scales in float32: every weight d * q exactly as gguf-py dequantizes it."""
+    rows = np.asarray(data)
+    blocks = rows.reshape(rows.shape[0], -1, 2 + BLOCK)  # (N, G, 34)
+    codes = blocks[..., 2:].copy().view(np.int8).reshape(rows.shape[0], -1)
+    return Int8GroupWeight(torch.from_numpy(codes), torch.from_numpy(_float16(blocks, 0)))
+
+
+def gguf_embedding(source: GGUFTensors) -> Int8GroupWeight | None:
+    """The file's token embedding as int8 groups when it is stored as Q8_0 (code for code), else None."""
+    table = checkpoint_tensors(source.config).values()
+    canonical = next(spec.canonical for spec in table if spec.ours == "tok_embeddings.weight")
+    tensor = source.by_name.get(canonical)
+    if tensor is None or tensor.tensor_type != QType.Q8_0:
+        return None
+    return int8_from_q8_0(tensor.data)
 
 
 def _float16(blocks: np.ndarray, offset: int) -> np.ndarray:

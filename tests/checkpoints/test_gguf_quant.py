@@ -18,9 +18,12 @@ from minilade.checkpoints.gguf_quant import (
     INT4_TYPES,
     bfloat16_exact_fraction,
     exact_zero_points,
+    gguf_embedding,
     gguf_int4_weights,
     int4_from_blocks,
+    int8_from_q8_0,
 )
+from minilade.llm import gguf_codes
 from minilade.quant import QuantizedLinear, linear_modules
 
 INT4 = sorted(INT4_TYPES, key=lambda q: q.name)
@@ -63,6 +66,14 @@ def test_q8_0_has_no_int4_mapping() -> None:
         int4_from_blocks(data, QType.Q8_0)
 
 
+def test_q8_0_blocks_are_int8_groups_bitwise() -> None:
+    rng = np.random.default_rng(3)
+    data = gguf.quants.quantize((rng.standard_normal((24, 96)) * 0.05).astype(np.float32), QType.Q8_0)
+    weight = int8_from_q8_0(data)
+    assert weight.group_size == 32 and weight.codes.shape == (24, 96)
+    assert np.array_equal(bits(weight.dequantize()), gguf.quants.dequantize(data, QType.Q8_0).view(np.uint32))
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # Q/K rows permuted by llama.cpp's converter, or not
 @pytest.mark.parametrize("name", ["mha-untied", "gqa-tied", "gqa-bias"])
 @pytest.mark.parametrize("qtype", INT4, ids=lambda q: q.name)
@@ -81,6 +92,20 @@ def test_model_weights_from_blocks_equal_the_loaded_float_weights(
         assert torch.equal(weight.dequantize(), linears[module].weight), module
 
 
+@pytest.mark.parametrize("quantize, group_size", [("int8", 32), ("int4", 64), ("int4", 32)])
+def test_file_codes_taken_for_the_embedding_always_and_for_int4_layers_in_groups_of_32(
+        quantize: str, group_size: int, tmp_path: Path, tiny_llama: Callable[..., Any],
+        gguf_tensors: Callable[..., Any], write_gguf: Callable[..., Path]) -> None:
+    hf = tiny_llama("mha-untied")
+    tensors = {**gguf_tensors(hf, QType.Q4_0), "token_embd.weight": gguf_tensors(hf, QType.Q8_0)["token_embd.weight"]}
+    checkpoint = open_checkpoint(write_gguf(tmp_path / "m.gguf", hf.config, tensors), progress=False)
+    model = checkpoint.load_model(dtype=torch.float32, device="cpu")
+    blocks = gguf_codes(checkpoint, model, hf.config.vocab_size, quantize, group_size)
+    linears = {n for n, *_ in linear_modules(model)}
+    assert set(blocks) == {"tok_embeddings"} | (linears if (quantize, group_size) == ("int4", 32) else set())
+    assert torch.equal(blocks["tok_embeddings"].dequantize(), model.tok_embeddings.weight)
+
+
 def test_real_model_blocks_are_bit_exact(smollm2_gguf: Path) -> None:
     """The default checkpoint (Q4_1 layers, Q8_0 tied embedding): every Q4_1 tensor maps exactly, and layer 0's
     fused, un-permuted projections equal the float loader's weights."""
@@ -95,3 +120,5 @@ def test_real_model_blocks_are_bit_exact(smollm2_gguf: Path) -> None:
     for module, ours in [("attention.wqkv", layer.attention.wqkv), ("feed_forward.w_gate_up",
                                                                      layer.feed_forward.w_gate_up)]:
         assert torch.equal(weights[f"layers.0.{module}"].dequantize(), ours.weight), module
+    embedding = gguf_embedding(source)  # the Q8_0 embedding, code for code
+    assert torch.equal(embedding.dequantize(), model.tok_embeddings.weight)
