@@ -12,8 +12,8 @@ Parts (--parts):
            weight bytes, and whether lookahead's greedy output equals plain decoding's under the same weights.
   steps    what a forward pass of T rows costs (minilade's step-cost measurement) for float32, int4 with one
            kernel per layer (exact) and int4 with a kept dense copy from --dense-from rows on (inexact).
-  7b       a llama-7b-shaped model with random int4 weights, built layer by layer without a float copy:
-           memory and decode tokens/s.
+  7b       a llama-7b-shaped model with random int4 weights (groups of --big-group) and an int8 embedding, built
+           layer by layer without a float copy: memory and decode tokens/s.
   ppl      perplexity of the real model's float32 weights (its Q4_1 blocks dequantized) against int8 and int4 on
            the first --ppl-prompts HumanEval prompts concatenated.
 Writes quant_results.json to --out-dir.
@@ -39,13 +39,24 @@ from torch import nn
 from minilade import LLM
 from minilade.checkpoints import DEFAULT_CHECKPOINT, open_checkpoint
 from minilade.checkpoints.checkpoint import Checkpoint
-from minilade.checkpoints.gguf_quant import gguf_int4_weights
 from minilade.config import ModelConfig
 from minilade.decoding import Autoregressive, GenerationSettings, GenerationStats, Lookahead, TokenRun, decode_tokens
 from minilade.decoding.step_costs import measure_step_costs
 from minilade.device import make_invariant
+from minilade.llm import gguf_codes
 from minilade.model import Transformer
-from minilade.quant import Int4Weight, QuantizedLinear, linear_modules, quantize_linears, quantize_weight, weight_bytes
+from minilade.quant import (
+    GROUP_SIZES,
+    Int4Weight,
+    Int8GroupWeight,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    linear_modules,
+    quantize_embedding,
+    quantize_linears,
+    quantize_weight,
+    weight_bytes,
+)
 from minilade.sampling import SamplingParams
 
 from .common import (
@@ -82,6 +93,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--dense-from", type=positive_int, default=16, help="rows from which the mixed mode goes dense")
     p.add_argument("--ppl-prompts", type=positive_int, default=20)
     p.add_argument("--big-tokens", type=positive_int, default=8, help="tokens decoded by the 7B model")
+    p.add_argument("--big-group", type=int, choices=GROUP_SIZES, default=32, help="int4 group of the 7B model")
     p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
@@ -182,18 +194,25 @@ def print_table(title: str, table: dict[str, dict[str, Any]], spec: str = ".3f")
 
 def variants(llm: LLM, checkpoint: Checkpoint, dense_from: int | None = None) -> dict[str, Transformer]:
     """The decode contenders, all from one float32 load: the float model itself, a bfloat16 copy, and int8 /
-    int4 copies with float32 or bfloat16 around the quantized layers. int4 takes the file's 4-bit blocks where
-    they map (all Q4_0 / Q4_1 tensors; the tied Q8_0 head is quantized from its float weights)."""
-    blocks = file_blocks(llm.model, checkpoint)
+    int4 copies with float32 or bfloat16 around the quantized layers, quantized as LLM.load quantizes (the
+    embedding in int8 groups; int4 takes the file's 4-bit blocks where they map: all Q4_0 / Q4_1 tensors, the tied
+    Q8_0 head quantized from its float weights; a Q8_0 embedding taken code for code)."""
     models = {"float32": llm.model, "bfloat16": to_dtype(copy.deepcopy(llm.model), torch.bfloat16)}
     for mode in ("int8", "int4"):
-        quantized = quantize_linears(copy.deepcopy(llm.model), mode, 32, weights=blocks if mode == "int4" else None)
-        models[mode] = quantized
+        models[mode] = quantized = quantized_copy(llm, checkpoint, mode, 32)
         models[f"{mode} bf16 model"] = to_dtype(copy.deepcopy(quantized), torch.bfloat16)
     if dense_from is not None:
-        models[f"int4 dense>={dense_from}"] = quantize_linears(copy.deepcopy(llm.model), "int4", 32, weights=blocks,
-                                                               dense_from_rows=dense_from)
+        models[f"int4 dense>={dense_from}"] = quantized_copy(llm, checkpoint, "int4", 32, dense_from_rows=dense_from)
     return {name: as_loaded(model) for name, model in models.items()}
+
+
+def quantized_copy(llm: LLM, checkpoint: Checkpoint, mode: str, group_size: int, **options: Any) -> Transformer:
+    """A copy of the float model quantized as LLM.load(quantize=mode) quantizes it: linear layers, then the
+    embedding, taking the file's own codes where they map exactly."""
+    model = copy.deepcopy(llm.model)
+    blocks = gguf_codes(checkpoint, model, llm.tokenizer.vocab_size, mode, group_size)
+    quantize_linears(model, mode, group_size, weights=blocks, **options)
+    return quantize_embedding(model, blocks.get("tok_embeddings"))
 
 
 def as_loaded(model: Transformer) -> Transformer:
@@ -201,13 +220,6 @@ def as_loaded(model: Transformer) -> Transformer:
     model.batch_invariant = True
     make_invariant(model, warn=False)
     return model
-
-
-def file_blocks(model: Transformer, checkpoint: Checkpoint) -> dict[str, Int4Weight]:
-    """The int4 weights a GGUF checkpoint holds exactly (none for other formats)."""
-    if checkpoint.format != "gguf":
-        return {}
-    return gguf_int4_weights(checkpoint.source, [name for name, *_ in linear_modules(model)])
 
 
 def to_dtype(model: Transformer, dtype: torch.dtype) -> Transformer:
@@ -284,11 +296,10 @@ def run_steps(args: argparse.Namespace) -> dict:
     """Milliseconds of one forward pass of T rows after 256 committed tokens (decoding.step_costs), for the
     float32 model as LLM.load runs it (batch-invariant), int4 exact and int4 with a dense copy."""
     llm, checkpoint = load_real(args)
-    blocks = file_blocks(llm.model, checkpoint)
     models = {"float32": as_loaded(copy.deepcopy(llm.model)),
-              "int4": as_loaded(quantize_linears(copy.deepcopy(llm.model), "int4", 32, weights=blocks)),
-              f"int4 dense>={args.dense_from}": as_loaded(quantize_linears(
-                  copy.deepcopy(llm.model), "int4", 32, weights=blocks, dense_from_rows=args.dense_from))}
+              "int4": as_loaded(quantized_copy(llm, checkpoint, "int4", 32)),
+              f"int4 dense>={args.dense_from}": as_loaded(quantized_copy(llm, checkpoint, "int4", 32,
+                                                                         dense_from_rows=args.dense_from))}
     costs = {name: measure_step_costs(model, LAYER_ROWS, context=256, repeats=args.repeats)
              for name, model in models.items()}
     table = {f"T={T}": {name: 1e3 * costs[name][T] for name in models} for T in LAYER_ROWS}
@@ -301,9 +312,10 @@ def run_steps(args: argparse.Namespace) -> dict:
 # ---- 7b ----------------------------------------------------------------------------------------------------------
 
 def random_int4_model(config: ModelConfig, group_size: int, seed: int, std: float = 0.02) -> Transformer:
-    """A model with random int4 weights, built without ever holding a float copy of its linear layers: the
-    Transformer is made on the meta device, each linear layer replaced by a QuantizedLinear of random codes
-    (scales set so the weights have about `std`), then the remaining tensors (embedding, norms) made real."""
+    """A model with random int4 weights, built without ever holding a float copy of its linear layers or its
+    embedding: the Transformer is made on the meta device, each linear layer replaced by a QuantizedLinear of
+    random codes (scales set so the weights have about `std`), the embedding by a QuantizedEmbedding of random
+    int8 codes, then the remaining tensors (norms) made real."""
     with torch.device("meta"):
         model = Transformer(config)
     gen = torch.Generator().manual_seed(seed)
@@ -312,6 +324,9 @@ def random_int4_model(config: ModelConfig, group_size: int, seed: int, std: floa
         scales = torch.full((N, K // group_size), std / 4.6)  # codes uniform on 0..15 have std 4.6
         weight = Int4Weight(torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8), scales, scales / 2)
         setattr(parent, attr, QuantizedLinear(weight))
+    V, D = config.vocab_size, config.dim
+    codes = torch.randint(-127, 128, (V, D), generator=gen, dtype=torch.int8)  # uniform codes: std 73.3
+    model.tok_embeddings = QuantizedEmbedding(Int8GroupWeight(codes, torch.full((V, D // 32), std / 73.3)))
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.is_meta:
@@ -323,19 +338,22 @@ def random_int4_model(config: ModelConfig, group_size: int, seed: int, std: floa
 
 
 def run_7b(args: argparse.Namespace) -> dict:
-    """llama-7b shapes, int4 group 32, float32 around the quantized layers: weight bytes, peak resident memory,
-    build time and plain-decoding tokens/s (a 16-token prompt, median of repeats)."""
+    """llama-7b shapes, int4 in groups of --big-group, an int8 embedding, float32 around the quantized layers and
+    a float32 cache of 512 positions: weight bytes, peak resident memory (of the whole process: run this part
+    alone to read it as the model's), build time and plain-decoding tokens/s (a 16-token prompt, median of
+    repeats)."""
     config = ModelConfig.preset("llama-7b").replace(max_seq_len=512)
     start = time.perf_counter()
-    model = random_int4_model(config, 32, args.seed)
+    model = random_int4_model(config, args.big_group, args.seed)
     build_s = time.perf_counter() - start
     prompt = torch.randint(config.vocab_size, (16,)).tolist()
     generate(model, prompt, Autoregressive(), 2)  # warm-up
     rates = [(lambda s: s.steps / s.decode_s)(generate(model, prompt, Autoregressive(), args.big_tokens)[1])
              for _ in range(args.repeats)]
     result = dict(weight_gb=weight_bytes(model) / 1e9, peak_rss_gb=peak_rss_bytes() / 1e9, build_s=build_s,
-                  tokens_per_s=statistics.median(rates), n_params=config.n_params)
-    print(f"llama-7b int4 g32: weights {result['weight_gb']:.2f} GB, peak resident {result['peak_rss_gb']:.2f} GB "
+                  tokens_per_s=statistics.median(rates), n_params=config.n_params, group_size=args.big_group)
+    print(f"llama-7b int4 g{args.big_group}: weights {result['weight_gb']:.2f} GB, "
+          f"peak resident {result['peak_rss_gb']:.2f} GB "
           f"(process so far), built in {build_s:.0f} s, {result['tokens_per_s']:.2f} tokens/s "
           f"({args.big_tokens} tokens, median of {args.repeats})")
     return result
@@ -352,9 +370,12 @@ def run_ppl(args: argparse.Namespace) -> dict:
     llm, checkpoint = load_real(args)
     texts = load_prompt_texts(args.data_dir, ["humaneval"], args.ppl_prompts)["humaneval"]
     ids = torch.tensor([llm.encode("\n\n".join(texts), chat=False)])
-    models = variants(llm, checkpoint)
-    for group in (32, 64):  # the path of a float checkpoint: round-to-nearest from the float weights
-        models[f"int4 rtn g{group}"] = quantize_linears(copy.deepcopy(llm.model), "int4", group)
+    # The path of a float checkpoint: round-to-nearest from the float weights (copied before variants() prepacks
+    # the float model's weights, which cannot be deep-copied after).
+    config = llm.model.config
+    rtn = {f"int4 rtn g{group}": quantize_embedding(quantize_linears(copy.deepcopy(llm.model), "int4", group))
+           for group in (32, 64) if config.dim % group == 0 and config.intermediate_size % group == 0}
+    models = {**variants(llm, checkpoint), **rtn}
     table = {}
     for name, model in models.items():
         value = perplexity(model, ids)

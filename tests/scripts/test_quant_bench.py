@@ -30,3 +30,29 @@ def test_decode_and_steps_run_every_contender_batch_invariant(quantizable_checkp
     assert set(decode["table"]) == timed and decode["table"]["float32"]["vs_float32"] == 1.0
     assert {name: same for name, same in decode["exact"].items() if name in timed} == dict.fromkeys(timed, "1/1")
     assert set(results["steps"]) >= {"table"}
+
+
+def test_random_int4_model_holds_no_float_matrix_and_decodes() -> None:
+    """The 7b part's builder, on a tiny config: every matrix quantized (only norm vectors are float), and the model
+    decodes."""
+    import torch
+
+    from minilade.config import ModelConfig
+    from minilade.decoding import Autoregressive
+
+    model = quant.random_int4_model(ModelConfig.preset("tiny-mha"), 32, seed=0)
+    assert all(p.dim() == 1 for p in model.parameters())
+    assert isinstance(model.tok_embeddings, quant.QuantizedEmbedding)
+    with torch.inference_mode():
+        tokens, stats = quant.generate(model, [1, 2, 3], Autoregressive(), 4)
+    assert len(tokens) == 4 and stats.new_tokens == 4
+
+
+def test_ppl_compares_every_contender_with_float32(quantizable_checkpoint: Path, data_dir: Path,
+                                                   tmp_path: Path) -> None:
+    argv = ["--parts", "ppl", "--ckpt", str(quantizable_checkpoint), "--data-dir", str(data_dir),
+            "--ppl-prompts", "1", "--out-dir", str(tmp_path)]
+    assert quant.main(argv) == 0
+    table = json.loads((tmp_path / "quant_results.json").read_text())["ppl"]["table"]
+    assert {"float32", "int8", "int4", "int4 rtn g32"} <= set(table)  # dim 32: no group of 64
+    assert table["float32"]["vs_float32"] == 0.0 and all(row["ppl"] > 1 for row in table.values())
