@@ -48,7 +48,8 @@ def write_tiny_checkpoint(folder: Path, words: str, max_positions: int, chat_tem
     tok.save(str(folder / "tokenizer.json"))
     if chat_template is not None:
         (folder / "chat_template.jinja").write_text(chat_template)
-    config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size() + vocab_padding, hidden_size=32, intermediate_size=64,
+    config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size() + vocab_padding, hidden_size=32,
+                                      intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=max_positions, eos_token_id=2, bos_token_id=1)
     torch.manual_seed(0)  # transformers initialises at random: the same tiny model in every session

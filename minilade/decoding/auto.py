@@ -29,7 +29,8 @@ from .lookahead import Lookahead, LookaheadDecoder, StepShape, Verdict, whole_nu
 from .step_costs import StepCosts, step_costs_for
 
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # step sizes measured for the cost curve
-PRIORS = {"suffix": 0.5, "pool": 0.2, "window": 0.15, "recycle": 0.15, "chain": 0.15}  # conditional chances before any evidence
+# Conditional chances of a draft token being right, by source, before any evidence.
+PRIORS = {"suffix": 0.5, "pool": 0.2, "window": 0.15, "recycle": 0.15, "chain": 0.15}
 PROMPT_REPLAY = 384  # prompt positions replayed to seed the calibration
 RECYCLE_WIDTHS = (None, 2, 1, 1)  # children per node at each depth of the recycled tree (None: all k)
 

@@ -80,8 +80,8 @@ class Lookahead(Strategy):
 
     def max_step_tokens(self) -> int:
         chain = self.window + self.ngram - 3 if self.window_chain else 0
-        return self.layout.max_rows + self.suffix_branches * self.suffix_draft + self.recycle_topk * self.layout.levels \
-            + chain
+        return (self.layout.max_rows + self.suffix_branches * self.suffix_draft
+                + self.recycle_topk * self.layout.levels + chain)
 
     def make_decoder(self, ctx: DecodeContext) -> Decoder:
         return LookaheadDecoder(ctx, self)

@@ -71,7 +71,8 @@ class GenerationStats:
         hist = " ".join(f"{k}:{v}" for k, v in sorted(self.tokens_per_step.items()))
         kinds = ", ".join(f"{k} x{v}" for k, v in self.step_kinds.most_common()) if len(self.step_kinds) > 1 else ""
         return (f"[{self.strategy}] prompt {self.prompt_tokens} tok, new {self.new_tokens} tok in "
-                f"{self.forward_passes} passes ({self.compression:.2f} tok/pass), prefill {self.prefill_s * 1e3:.0f} ms, "
+                f"{self.forward_passes} passes ({self.compression:.2f} tok/pass), "
+                f"prefill {self.prefill_s * 1e3:.0f} ms, "
                 f"decode {self.decode_s * 1e3:.0f} ms ({self.step_ms:.1f} ms/step), {self.tokens_per_s:.1f} tok/s"
                 + (f", tokens/step histogram {hist}" if hist else "") + (f", steps: {kinds}" if kinds else ""))
 

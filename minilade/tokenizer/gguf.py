@@ -255,7 +255,8 @@ def _sentencepiece_encoder(vocab: _GgufVocab, add_space_prefix: bool) -> Encoder
     controls = {token: i for i, token in reversed(list(enumerate(vocab.tokens)))  # the first id of a repeated one
                 if vocab.types[i] in _SPECIAL_TYPES and token}
     # Longest first, so that at each place the longest control token wins, as `tokenizers` matches added tokens.
-    cut = re.compile("(" + "|".join(map(re.escape, sorted(controls, key=len, reverse=True))) + ")") if controls else None
+    longest_first = sorted(controls, key=len, reverse=True)
+    cut = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")") if controls else None
     prefix = " " if add_space_prefix else ""
 
     def encode(text: str) -> list[int]:

@@ -248,7 +248,8 @@ def live(args: argparse.Namespace, command: str) -> int:
     records = load_records(args.ar)
     strategies = [parse_strategy(s) for s in args.strategies]
     llm = LLM.load(args.ckpt, dtype="float32")
-    print(f"command: {command}\n\n| dataset | strategy | compression | rows fed/step | exact |\n| --- | --- | --- | --- | --- |")
+    print(f"command: {command}\n\n| dataset | strategy | compression | rows fed/step | exact |\n"
+          "| --- | --- | --- | --- | --- |")
     results = []
     for name in [d for d in dict.fromkeys(r["dataset"] for r in records) if d in args.datasets]:
         mine = [r for r in records if r["dataset"] == name][:args.n_prompts]

@@ -114,8 +114,8 @@ def test_without_the_bonus_token_a_step_emits_at_most_n_minus_1() -> None:
 
 # ---- suffix drafts (ragged candidates of any length) -------------------------------------------------------------
 
-SUFFIX_SETTINGS = [dict(window=1, ngram=2, guesses=0, suffix_draft=6), dict(window=3, ngram=3, guesses=2, suffix_draft=9,
-                                                                           suffix_branches=3),
+SUFFIX_SETTINGS = [dict(window=1, ngram=2, guesses=0, suffix_draft=6),
+                   dict(window=3, ngram=3, guesses=2, suffix_draft=9, suffix_branches=3),
                    dict(window=4, ngram=4, guesses=4, suffix_draft=1, suffix_branches=2)]
 
 
