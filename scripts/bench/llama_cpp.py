@@ -17,7 +17,19 @@ import subprocess
 import time
 from typing import Any
 
+from minilade.checkpoints.resolve import resolve_checkpoint
+
 PROMPT = "def fibonacci(n):"  # the llama-cpp-python path's prompt (llama-bench generates after an empty one)
+
+
+def llama_cpp_peer(ckpt: str, threads: int, n_gen: int, repeats: int = 3) -> dict[str, Any]:
+    """llama_cpp_decode on the file a minilade checkpoint argument names (a path, or a name such as the default
+    checkpoint's, resolved as LLM.load resolves it); skipped with a note when that is no GGUF file."""
+    path = resolve_checkpoint(ckpt, progress=False)
+    if path.suffix != ".gguf":
+        return dict(status="skipped", tokens_per_s=None, how=None,
+                    note=f"llama.cpp reads GGUF files; the checkpoint is {path}")
+    return llama_cpp_decode(str(path), threads, n_gen, repeats)
 
 
 def llama_cpp_decode(gguf: str, threads: int, n_gen: int, repeats: int = 3) -> dict[str, Any]:

@@ -72,7 +72,7 @@ from .common import (
     run_job,
     write_json,
 )
-from .llama_cpp import llama_cpp_decode
+from .llama_cpp import llama_cpp_peer
 
 MODULE = "scripts.bench.quant"
 PARTS = ("layers", "decode", "steps", "7b", "ppl")
@@ -115,7 +115,7 @@ def job(argv: list[str]) -> int:
         for part in args.parts:
             print(f"\n== {part}", flush=True)
             results[part] = PART_RUNNERS[part](args)
-    results["llama_cpp"] = peer = llama_cpp_decode(args.ckpt, torch.get_num_threads(), args.max_new_tokens)
+    results["llama_cpp"] = peer = llama_cpp_peer(args.ckpt, torch.get_num_threads(), args.max_new_tokens)
     print(f"\nllama.cpp peer ({peer['status']}): {peer['note']}" + (
         f"; {peer['tokens_per_s']:.1f} tokens/s" if peer["tokens_per_s"] else ""))
     if peer["tokens_per_s"] and "decode" in results:

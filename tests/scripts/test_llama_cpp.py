@@ -70,3 +70,17 @@ def test_llama_cpp_python_completions_are_timed(path_only: Path, monkeypatch: py
     result = llama_cpp.llama_cpp_decode("model.gguf", threads=3, n_gen=32, repeats=3)
     assert result["status"] == "ran" and result["tokens_per_s"] > 0
     assert calls == [("load", "model.gguf", 3), ("complete", 4, 0.0)] + [("complete", 32, 0.0)] * 3
+
+
+def test_peer_runs_on_the_resolved_gguf_file_and_skips_other_formats(path_only: Path) -> None:
+    fake_llama_bench(path_only, [dict(n_prompt=0, n_gen=8, avg_ts=100.0)])
+    model = path_only / "model.gguf"
+    model.write_bytes(b"GGUF")
+    assert llama_cpp.llama_cpp_peer(str(model), threads=2, n_gen=8)["tokens_per_s"] == 100.0
+    assert (path_only / "args.txt").read_text().split()[:2] == ["-m", str(model)]
+    folder = path_only / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
+    result = llama_cpp.llama_cpp_peer(str(folder), threads=2, n_gen=8)
+    assert result["status"] == "skipped" and result["note"].startswith("llama.cpp reads GGUF files")
