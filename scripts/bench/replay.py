@@ -23,6 +23,7 @@ measured on the project's 2-core machine).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from minilade.decoding import STRATEGIES, Strategy, make_strategy
-from minilade.decoding.auto import PRIORS, best_plan
+from minilade.decoding.auto import PRIORS, Auto, best_plan
 from minilade.decoding.step_costs import StepCosts
 from minilade.drafts.sources import leading_matches, replay_calibration, text_sources
 from minilade.drafts.suffix import SuffixIndex
@@ -246,7 +247,8 @@ def live(args: argparse.Namespace, command: str) -> int:
     from minilade import LLM
 
     records = load_records(args.ar)
-    strategies = [parse_strategy(s) for s in args.strategies]
+    costs = None if args.costs is None else StepCosts(load_costs(args.costs))
+    strategies = [with_costs(parse_strategy(s), costs) for s in args.strategies]
     llm = LLM.load(args.ckpt, dtype="float32")
     print(f"command: {command}\n\n| dataset | strategy | compression | rows fed/step | exact |\n"
           "| --- | --- | --- | --- | --- |")
@@ -268,6 +270,14 @@ def live(args: argparse.Namespace, command: str) -> int:
                   flush=True)
     write_outputs(args, command, results, "strategy", "live on the model (greedy, float32)")
     return 0
+
+
+def with_costs(strategy: Strategy, costs: StepCosts | None) -> Strategy:
+    """An Auto strategy planning with the given step costs instead of measured ones (a flat curve, {1: 1, 128: 1},
+    makes it feed its whole budget: the compression a device where rows are free would get); others unchanged."""
+    if costs is None or not isinstance(strategy, Auto):
+        return strategy
+    return dataclasses.replace(strategy, costs=costs)
 
 
 def load_records(path: Path) -> list[dict]:
@@ -298,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES,
                    help="rank: pool:N,G | suffix:L,B | suffix+pool:L,B,N,G | auto:L,B,N,G,BUDGET")
     p.add_argument("--costs", type=Path, default=None,
-                   help="rank: JSON {rows: cost per pass} (default: the documented 2-core curve)")
+                   help="rank: JSON {rows: cost per pass} (default: the documented 2-core curve); live: the "
+                        "curve auto plans with instead of measuring it")
     p.add_argument("--strategies", nargs="+", default=["auto:7,5,7"],
                    help="live: NAME:W,N,G[:field=value,...] (fields of the strategy, e.g. suffix_draft=16)")
     p.add_argument("--out", type=Path, default=None, help="rank, live: also write the table as JSON")

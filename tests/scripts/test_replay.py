@@ -50,3 +50,12 @@ def test_rank_writes_the_table_and_the_plot(tmp_path: Path, capsys) -> None:
     assert "| humaneval | suffix:4,1 | 2.50 | 5.0 |" in capsys.readouterr().out
     assert json.loads(out.read_text())["results"][0]["compression"] == 2.5
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_live_costs_reach_auto_only() -> None:
+    flat = StepCosts({1: 1.0, 128: 1.0})
+    auto = replay.with_costs(replay.parse_strategy("auto:7,5,7"), flat)
+    assert auto.costs is flat
+    lookahead = replay.parse_strategy("lookahead:7,5,7")
+    assert replay.with_costs(lookahead, flat) is lookahead
+    assert replay.with_costs(replay.parse_strategy("auto:7,5,7"), None).costs is None
