@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0 = off; default: off for lookahead, 16 for auto)")
     s.add_argument("--suffix-branches", type=int, default=None, metavar="B",
                    help="at most B such drafts a step, from occurrences that disagree (default: 1 lookahead, 4 auto)")
+    s.add_argument("--recycle-topk", type=int, default=None, metavar="K",
+                   help="also draft from the model's own top-K next tokens after every token it read (token "
+                        "recycling, a (vocabulary x K) table; 0 = off, the default)")
     s.add_argument("--draft-budget", type=int, default=None, metavar="ROWS",
                    help="auto: the most rows one step feeds (default: (W + G) * (N - 1))")
     s.add_argument("--window-chain", action="store_true",
@@ -93,6 +96,7 @@ def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
     `auto` are measured once per machine and kept beside the weights."""
     drafts = {name: value for name, value in (("suffix_draft", args.suffix_draft),
                                               ("suffix_branches", args.suffix_branches),
+                                              ("recycle_topk", args.recycle_topk),
                                               ("draft_budget", args.draft_budget)) if value is not None}
     drafts.update({name: True for name in WINDOW_OPTIONS if getattr(args, name)})
     strategy = make_strategy(args.strategy, window=args.window, ngram=args.ngram, guesses=args.guesses,

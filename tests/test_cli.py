@@ -226,6 +226,14 @@ def test_window_options_on_the_command_line_give_plain_decodings_tokens(tiny_che
     common = ["a b c d", "--ckpt", str(tiny_checkpoint), "--json", "--max-new-tokens", "12"]
     plain = run_cli(*common, "--strategy", "autoregressive")
     fast = run_cli(*common, "--strategy", "lookahead", "-W", "3", "-N", "3", "-G", "2", "--window-chain",
-                   "--reanchor", "--seed-window", "--fill-levels")
+                   "--reanchor", "--seed-window", "--fill-levels", "--recycle-topk", "3")
     assert plain.returncode == 0 and fast.returncode == 0, plain.stderr + fast.stderr
     assert json.loads(fast.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+
+
+def test_recycle_topk_reaches_the_strategy_and_bad_values_are_one_line_errors() -> None:
+    for strategy in ("lookahead", "auto"):
+        on = settings_from_args(build_parser().parse_args(["p", "--strategy", strategy, "--recycle-topk", "8"]))
+        off = settings_from_args(build_parser().parse_args(["p", "--strategy", strategy]))
+        assert (on.strategy.recycle_topk, off.strategy.recycle_topk) == (8, 0)
+    assert_one_line_error(run_cli("a", "--ckpt", "/nonexistent.gguf", "--recycle-topk", "-1"), "recycle_topk")
