@@ -107,6 +107,12 @@ def auto_setting(text: str) -> tuple[Setting, dict[str, int]] | None:
     return setting, fields
 
 
+def auto_text(setting: Setting, fields: dict[str, int]) -> str:
+    """The --auto text of an auto row: 'W,N,G[:field=value,...]'."""
+    extra = ",".join(f"{k}={v}" for k, v in fields.items())
+    return setting_text(setting) + (f":{extra}" if extra else "")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = JobParser(MODULE, __doc__)
     add_prompt_options(p, n_prompts=20)
@@ -114,9 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_option(p, DEFAULT_SETTINGS)
     p.add_argument("--no-lookahead", action="store_true",
                    help="leave out the lookahead rows (--settings then only add their sizes to the step-cost curve)")
-    p.add_argument("--auto", type=auto_setting, default="5,4,5", metavar="W,N,G[:FIELD=N,...]",
-                   help="the auto strategy's largest step, and other Auto fields (7,5,7:recycle_topk=2); "
-                        "'none' leaves the auto row out")
+    p.add_argument("--auto", type=auto_setting, nargs="+", default=[auto_setting("5,4,5")],
+                   metavar="W,N,G[:FIELD=N,...]",
+                   help="the auto strategy's largest step, and other Auto fields (7,5,7:recycle_topk=2); several "
+                        "give several auto rows, timed side by side; 'none' leaves the auto row out")
     p.add_argument("--temperatures", nargs="+", type=sampling_temperature, default=[0.0],
                    help="0 = greedy (all rows); T > 0 runs the minilade rows sampled, seeded per prompt")
     p.add_argument("--prompt-lookup-tokens", type=positive_int, default=10,
@@ -137,9 +144,10 @@ def contenders(args: argparse.Namespace, temperature: float) -> list[Contender]:
     """The rows at one temperature: transformers generate is greedy only, so it joins at temperature 0."""
     settings = [] if args.no_lookahead else args.settings
     rows = [Contender(AR, "minilade", Autoregressive())] + [lookahead_contender(s) for s in settings]
-    if args.auto:
-        setting, fields = args.auto
-        rows.append(Contender(AUTO, "minilade", Auto(*setting, **fields)))
+    autos = [a for a in args.auto if a is not None]
+    for setting, fields in autos:
+        label = AUTO if len(autos) == 1 else f"{AUTO} ({auto_text(setting, fields)})"
+        rows.append(Contender(label, "minilade", Auto(*setting, **fields)))
     if temperature == 0 and not args.no_transformers:
         rows += [Contender(HF_GENERATE, "transformers"),
                  Contender(HF_PROMPT_LOOKUP, "transformers", prompt_lookup=args.prompt_lookup_tokens)]

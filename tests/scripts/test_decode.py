@@ -177,7 +177,7 @@ def test_bad_options_are_one_line_errors(stderr_line) -> None:
 
 def test_quick_changes_defaults_only() -> None:
     args = decode.parse_args(["--quick", "--settings", "7,5,7", "--auto", "none"])
-    assert args.settings == [(7, 5, 7)] and args.auto is None
+    assert args.settings == [(7, 5, 7)] and args.auto == [None]
     assert (args.n_prompts, args.max_new_tokens, args.repeats, args.step_reps) == (1, 8, 1, 2)
     assert decode.parse_args([]).settings == [(7, 5, 7), (15, 5, 15), (3, 3, 3), (5, 4, 5), (1, 5, 3)]
 
@@ -198,9 +198,16 @@ def test_flops_per_step_formula() -> None:
 
 def test_auto_takes_other_fields_after_its_step() -> None:
     args = decode.parse_args(["--auto", "7,5,7:recycle_topk=2,window_chain=1"])
-    assert args.auto == ((7, 5, 7), {"recycle_topk": 2, "window_chain": 1})
+    assert args.auto == [((7, 5, 7), {"recycle_topk": 2, "window_chain": 1})]
     auto = next(c for c in decode.contenders(args, 0.0) if c.label == decode.AUTO).strategy
     assert (auto.window, auto.ngram, auto.guesses, auto.recycle_topk, auto.window_chain) == (7, 5, 7, 2, 1)
+
+
+def test_several_auto_rows_are_labelled_by_their_settings() -> None:
+    args = decode.parse_args(["--auto", "7,5,7", "7,5,7:recycle_topk=8", "--no-lookahead", "--no-transformers"])
+    rows = decode.contenders(args, 0.0)
+    assert [c.label for c in rows] == [AR, f"{AUTO} (7,5,7)", f"{AUTO} (7,5,7:recycle_topk=8)"]
+    assert [c.strategy.recycle_topk for c in rows[1:]] == [0, 8]
 
 
 @pytest.mark.parametrize("text, fact", [("7,5,7:nonsense=1", "auto has no field 'nonsense'"),
