@@ -266,6 +266,21 @@ class QuantizedEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, int8, group_size={self.group_size}"
 
 
+def quantization(model: nn.Module) -> str:
+    """What of the model is quantized, and how, in a few words ("" when nothing is), e.g. "embedding int8 g32,
+    int4 g32 bfloat16". Step costs and batch-invariance verdicts depend on it, so it is part of the keys under
+    which they are kept (step_costs.cost_key)."""
+    kinds = set()
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            group = f" g{module.group_size}" if module.mode == "int4" else ""
+            dense = f" dense from {module.dense_from_rows} rows" if module.dense_from_rows is not None else ""
+            kinds.add(f"{module.mode}{group} {str(module.kernel_dtype).removeprefix('torch.')}{dense}")
+        elif isinstance(module, QuantizedEmbedding):
+            kinds.add(f"embedding int8 g{module.group_size}")
+    return ", ".join(sorted(kinds))
+
+
 def quantize_embedding(model: nn.Module, weight: Int8GroupWeight | None = None, group_size: int = 32) -> nn.Module:
     """Replace the model's float token embedding (`tok_embeddings`) by a QuantizedEmbedding, in place; returns the
     model. weight: the codes to take as they are (a GGUF file's Q8_0 rows), else the float embedding is quantized.

@@ -14,6 +14,7 @@ from ..masks import interleaved_step
 from ..memo import read_table, write_entry
 from ..model import Transformer
 from ..parallel.layers import from_rank0, is_leader
+from ..quant import quantization
 
 
 def measure_step_costs(model: Transformer, sizes: Iterable[int], *, context: int = 256, repeats: int = 3
@@ -91,11 +92,14 @@ def step_costs_for(model: Transformer, sizes: Sequence[int], cost_file: str | Pa
 
 
 def cost_key(model: Transformer) -> str:
-    """What the cost of a step depends on: the model's shape, dtype, device and the torch build."""
+    """What the cost of a step depends on: the model's shape, dtype, quantized layers, device and the torch build.
+    (device.make_invariant keeps its verdicts under the same key: they depend on the same things.)"""
     c = model.config
     device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
+    quantized = quantization(model)
     return (f"L{c.n_layers}-d{c.dim}-h{c.n_heads}/{c.n_kv_heads}-ff{c.intermediate_size}-v{c.vocab_size}|"
-            f"{model.dtype}|{device}|threads {torch.get_num_threads()}|torch {torch.__version__}|lookahead mask")
+            f"{model.dtype}{f' ({quantized})' if quantized else ''}|{device}|threads {torch.get_num_threads()}|"
+            f"torch {torch.__version__}|lookahead mask")
 
 
 def _read_costs(path: Path) -> dict[str, dict[int, float]] | None:

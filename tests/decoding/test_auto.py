@@ -11,6 +11,9 @@ import minilade.decoding.step_costs as step_costs
 from minilade.decoding import Autoregressive
 from minilade.decoding.auto import Auto, best_plan
 from minilade.decoding.step_costs import StepCosts, step_costs_for
+from minilade.device import make_invariant
+from minilade.memo import read_table
+from minilade.quant import quantize_embedding, quantize_linears
 from minilade.sampling import SamplingParams
 
 from ..helpers import chi_square_p_value, exact_distribution, run_tokens, sample_counts, tiny_model
@@ -118,6 +121,23 @@ def test_a_cost_file_with_bad_entries_is_measured_again(monkeypatch, tmp_path) -
                         lambda model, sizes, **kw: measured.extend(sizes) or {T: 0.01 * T for T in sizes})
     costs = step_costs_for(model, [1, 4, 9, 16], cost_file)
     assert sorted(measured) == [1, 4, 9] and costs(16) == 0.5 and costs(4) == 0.04
+
+
+def test_a_quantized_model_keeps_its_own_step_costs_and_invariance_verdict(monkeypatch, tmp_path) -> None:
+    """Quantized steps cost differently from float steps of the same model (and run other kernels), so a float model's
+    kept figures must not serve the quantized one."""
+    model = tiny_model(vocab=12, seed=1)
+    cost_file, check_file = tmp_path / "costs.json", tmp_path / "invariance.json"
+    cost_file.write_text(json.dumps({step_costs.cost_key(model): {"1": 0.01, "4": 0.02}}))
+    make_invariant(model, check_file)
+    quantized = quantize_embedding(quantize_linears(model, "int8"), group_size=16)
+    key = step_costs.cost_key(quantized)
+    assert "(embedding int8 g16, int8 bfloat16)" in key and key not in read_table(check_file)
+    measured = []
+    monkeypatch.setattr(step_costs, "measure_step_costs",
+                        lambda model, sizes, **kw: measured.extend(sizes) or {T: 0.5 * T for T in sizes})
+    assert step_costs_for(quantized, [1, 4], cost_file)(4) == 2.0 and sorted(measured) == [1, 4]
+    assert make_invariant(quantized, check_file).exact and key in read_table(check_file)  # checked, then kept
 
 
 def test_a_file_that_is_not_a_cost_table_is_not_overwritten(tmp_path) -> None:
