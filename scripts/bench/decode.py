@@ -38,6 +38,7 @@ from .common import (
     DATASETS,
     JobParser,
     Setting,
+    UsageError,
     add_prompt_options,
     add_settings_option,
     add_timed_options,
@@ -137,7 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    return parse_with_quick(build_parser(), argv, QUICK_DEFAULTS)
+    args = parse_with_quick(build_parser(), argv, QUICK_DEFAULTS)
+    texts = [auto_text(*a) for a in args.auto if a is not None]
+    if len(set(texts)) < len(texts):
+        raise UsageError(f"argument --auto: each variant once, please (got {', '.join(texts)})")
+    return args
 
 
 def contenders(args: argparse.Namespace, temperature: float) -> list[Contender]:

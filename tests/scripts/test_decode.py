@@ -210,6 +210,11 @@ def test_several_auto_rows_are_labelled_by_their_settings() -> None:
     assert [c.strategy.recycle_topk for c in rows[1:]] == [0, 8]
 
 
+def test_the_same_auto_variant_twice_is_a_one_line_error(stderr_line) -> None:
+    assert decode.main(["--auto", "7,5,7:recycle_topk=8", "7,5,7:recycle_topk=8"]) == 2
+    assert stderr_line().startswith("error: argument --auto: each variant once")
+
+
 @pytest.mark.parametrize("text, fact", [("7,5,7:nonsense=1", "auto has no field 'nonsense'"),
                                         ("7,5,7:recycle_topk=x", "recycle_topk needs a whole number"),
                                         ("7,5,7:draft_budget=0", "draft_budget"),
