@@ -3,10 +3,12 @@
     python -m scripts.bench.decode                  # 3 datasets x 20 prompts x 128 tokens, every contender
     python -m scripts.bench.decode --quick          # smoke test: 1 prompt a dataset x 8 tokens, 1 setting
     python -m scripts.bench.decode --settings 7,5,7 5,4,5 --temperatures 0 0.7 --n-prompts 5
+    python -m scripts.bench.decode --no-lookahead --no-transformers --auto 7,5,7 7,5,7:recycle_topk=4  # two autos
 
 Per dataset and contender (minilade autoregressive, lookahead at each --settings W,N,G, auto, transformers
 generate, transformers prompt lookup): new tokens, forward passes, compression (new tokens per forward pass,
-prefill included), tokens per second, speedups and exact matches; then the step-cost curve. Writes results.json
+prefill included), tokens per second, speedups and exact matches; then the step-cost curve. Several --auto
+variants give one row each, labelled by their settings. Writes results.json
 and plots (speedup per dataset, compression against FLOPs per step, step cost) to --out-dir.
 
 Timing (scripts/bench/timing.py): every contender warmed up, then run per prompt in a shuffled order, --repeats
