@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (default): lookahead shaped step by step from the measured cost of a step on this "
                         "machine (W, N, G then bound the largest step), plain decoding where lookahead does not pay; "
                         "autoregressive: plain decoding, one token per forward pass")
+    s.add_argument("--compile", action="store_true",
+                   help="with --strategy autoregressive: run each one-token step as one compiled graph "
+                        "(torch.compile; the first run compiles for a minute or more, later runs reuse it): "
+                        "faster, but its output is not bitwise that of lookahead or auto, and may differ from "
+                        "plain decoding's at a near tie")
     s.add_argument("--window", "-W", type=int, default=5, help="lookahead window W (columns)")
     s.add_argument("--ngram", "-N", type=int, default=4, help="lookahead n-gram size N")
     s.add_argument("--guesses", "-G", type=int, default=5, help="lookahead candidates verified per step G")
@@ -99,7 +104,11 @@ def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
                                               ("recycle_topk", args.recycle_topk),
                                               ("draft_budget", args.draft_budget)) if value is not None}
     drafts.update({name: True for name in WINDOW_OPTIONS if getattr(args, name)})
+    if args.compile and args.strategy != "autoregressive":
+        raise ValueError(f"--compile runs plain decoding only (--strategy autoregressive): {args.strategy}'s steps "
+                         f"must give plain decoding's exact output, which a compiled step does not promise")
     strategy = make_strategy(args.strategy, window=args.window, ngram=args.ngram, guesses=args.guesses,
+                             compiled=args.compile,
                              pool_from_prompt=not args.no_prompt_pool,
                              cost_file=str(default_weights_dir() / "step_costs.json"), **drafts)
     check_sampling(sampling_options(args))

@@ -34,6 +34,11 @@ class KVCache:
         self.capacity = capacity
         self.length = 0
 
+    @property
+    def padded(self) -> bool:
+        """Whether the cache keeps the padded layout of batch-invariant attention (see the class docstring)."""
+        return self.v.shape[-1] != self.head_dim
+
     def check_room(self, n_new: int) -> None:
         if self.length + n_new > self.capacity:
             raise ValueError(
@@ -52,7 +57,7 @@ class KVCache:
         """Keys (B, Hkv, n_slots, D) and values with their extra columns (B, Hkv, n_slots, value_columns(D)),
         including slots past those written (finite, to be hidden by the caller): views of a padded cache, a padded
         copy of an unpadded one."""
-        if self.v.shape[-1] != self.head_dim:
+        if self.padded:
             return self.k[layer, :, :, :n_slots], self.v[layer, :, :, :n_slots]
         end = min(n_slots, self.capacity)
         return pad_keys_values(self.k[layer, :, :, :end], self.v[layer, :, :, :end], n_slots)

@@ -74,16 +74,21 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=config.o_bias)
 
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (B, T, dim) -> q (B, H, T, D), k and v (B, Hkv, T, D); q and k rotated by cos, sin (B|1, T, 1, D)."""
+        B, T, _ = x.shape
+        qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        n_qk = self.n_heads + self.n_kv_heads
+        qk = apply_rope(qkv[:, :, :n_qk], cos, sin).transpose(1, 2)  # (B, H + Hkv, T, D)
+        return qk[:, :self.n_heads], qk[:, self.n_heads:], qkv[:, :, n_qk:].transpose(1, 2)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
                 mask: torch.Tensor | None) -> torch.Tensor:
         """mask: what Transformer.attention_mask made of the step mask: a KeyLayout for batch-invariant attention
         (decoding steps on the CPU), else a mask for SDPA ((T, past + T) bool, or None for causal)."""
         B, T, _ = x.shape
-        qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-        n_qk = self.n_heads + self.n_kv_heads
-        qk = apply_rope(qkv[:, :, :n_qk], cos, sin).transpose(1, 2)  # (B, H + Hkv, T, D)
-        q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
-        v = qkv[:, :, n_qk:].transpose(1, 2)  # (B, Hkv, T, D)
+        q, k, v = self.project(x, cos, sin)
         keys, values = cache.write(layer, k, v)  # (B, Hkv, S, D), S = past + T
         if isinstance(mask, KeyLayout):  # each row's result independent of the step's shape (invariance.py)
             y = invariant_attention(q, *cache.padded_views(layer, mask.keys), mask)
@@ -174,13 +179,15 @@ class Transformer(nn.Module):
         self.rope_cos, self.rope_sin = rope_tables(self.config, rope_rows(self.config, max(have, positions)),
                                                    self.dtype, self.device)
 
-    def new_cache(self, capacity: int | None = None, batch_size: int = 1) -> KVCache:
-        """A KV cache of `capacity` slots (default: the whole context); the rotary tables grow to match. On the
-        CPU (batch-invariant decoding steps) the cache keeps the padded layout and attention's work dtype
-        (bfloat16 keys and values stored exactly in float32, read without a copy)."""
+    def new_cache(self, capacity: int | None = None, batch_size: int = 1, invariant: bool | None = None
+                  ) -> KVCache:
+        """A KV cache of `capacity` slots (default: the whole context); the rotary tables grow to match. For
+        batch-invariant decoding steps (invariant=None: when the model runs them, on the CPU) the cache keeps the
+        padded layout and attention's work dtype (bfloat16 keys and values stored exactly in float32, read without
+        a copy); otherwise plain (L, B, Hkv, capacity, D) buffers in the model's dtype."""
         capacity = capacity or self.config.max_seq_len
         self.cover_positions(capacity)
-        invariant = self.invariant_steps
+        invariant = self.invariant_steps if invariant is None else invariant
         return KVCache(self.config, capacity, batch_size=batch_size,
                        dtype=work_dtype(self.dtype) if invariant else self.dtype, device=self.device,
                        padded=invariant)

@@ -96,6 +96,13 @@ class Strategy(ABC):
     @abstractmethod
     def make_decoder(self, ctx: DecodeContext) -> Decoder: ...
 
+    @property
+    def invariant_steps(self) -> bool:
+        """Whether the decoder runs the model's own steps, batch-invariant where the model makes them so; a
+        strategy that runs a step of its own (Autoregressive(compiled=True)) says False and gets an unpadded
+        cache."""
+        return True
+
     def max_step_tokens(self) -> int:
         """Most tokens one step puts through the model (the KV cache keeps this much room past the budget)."""
         return 1

@@ -9,7 +9,9 @@ Parts (--parts):
            kernels interleaved.
   decode   plain (autoregressive) decoding of the real model: float32 against int8 / int4 with float32 or
            bfloat16 models around the quantized layers; decode tokens/s (medians of interleaved repeats),
-           weight bytes, and whether lookahead's greedy output equals plain decoding's under the same weights.
+           weight bytes, and whether lookahead's greedy output equals plain decoding's under the same weights;
+           with --compiled, also those contenders' plain decoding through compiled one-token steps
+           (minilade/compiled.py), and on how many prompts their output equals the eager one.
   steps    what a forward pass of T rows costs (minilade's step-cost measurement) for float32, int4 with one
            kernel per layer (exact) and int4 with a kept dense copy from --dense-from rows on (inexact).
   7b       a llama-7b-shaped model with random int4 weights (groups of --big-group) and an int8 embedding, built
@@ -91,6 +93,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--layer-repeats", type=positive_int, default=15)
     p.add_argument("--dense-from", type=positive_int, default=16, help="rows from which the mixed mode goes dense")
+    p.add_argument("--compiled", nargs="*", default=[], choices=("float32", "bfloat16", "int8", "int4"),
+                   help="decode: also time these contenders with compiled one-token steps (minilade.compiled)")
     p.add_argument("--ppl-prompts", type=positive_int, default=20)
     p.add_argument("--big-tokens", type=positive_int, default=8, help="tokens decoded by the 7B model")
     p.add_argument("--big-group", type=int, choices=GROUP_SIZES, default=32, help="int4 group of the 7B model")
@@ -257,26 +261,44 @@ def run_decode(args: argparse.Namespace) -> dict:
     per-prompt ratios to float32."""
     llm, checkpoint = load_real(args)
     models = variants(llm, checkpoint, args.dense_from)
-    timed = [name for name in models if "dense" not in name]  # one-row steps never reach a dense copy
+    # one-row steps never reach a dense copy
+    timed = {name: (models[name], Autoregressive()) for name in models if "dense" not in name}
+    timed.update({f"{name} compiled": (models[name], Autoregressive(compiled=True)) for name in args.compiled})
     prompts = humaneval_ids(llm, args, args.n_prompts)
     rng = random.Random(args.seed)
-    for name in timed:  # warm-up
-        generate(models[name], prompts[0], Autoregressive(), 8)
+    for name, (model, strategy) in timed.items():  # warm-up (and compilation)
+        generate(model, prompts[0], strategy, 8)
     rate: dict[str, list[float]] = {name: [] for name in timed}
     for ids in prompts:
         samples: dict[str, list[float]] = {name: [] for name in timed}
         for _ in range(args.repeats):
-            for name in rng.sample(timed, len(timed)):
-                _, stats = generate(models[name], ids, Autoregressive(), args.max_new_tokens)
+            for name in rng.sample(list(timed), len(timed)):
+                model, strategy = timed[name]
+                _, stats = generate(model, ids, strategy, args.max_new_tokens)
                 samples[name].append(stats.steps / stats.decode_s)
         for name in timed:
             rate[name].append(statistics.median(samples[name]))
     table = {name: dict(tokens_per_s=statistics.median(rate[name]),
                         vs_float32=statistics.median(r / f for r, f in zip(rate[name], rate["float32"])),
-                        weight_mb=weight_bytes(models[name]) / MB) for name in timed}
+                        weight_mb=weight_bytes(model) / MB) for name, (model, _) in timed.items()}
     print_table(f"plain decoding, {len(prompts)} HumanEval prompts x {args.max_new_tokens} tokens, "
                 f"{args.repeats} repeats", table, ".2f")
-    return dict(table=table, exact=exactness(models, prompts, args.max_new_tokens))
+    return dict(table=table, exact=exactness(models, prompts, args.max_new_tokens),
+                compiled_vs_eager=compiled_agreement(models, args.compiled, prompts, args.max_new_tokens))
+
+
+def compiled_agreement(models: dict[str, Transformer], names: Sequence[str], prompts: list[list[int]],
+                       max_new_tokens: int) -> dict:
+    """For each compiled contender, on how many prompts its greedy output equals plain decoding's (eager, batch-
+    invariant): the compiled step rounds differently, so a near tie may go the other way."""
+    counts = {}
+    for name in names:
+        same = sum(generate(models[name], ids, Autoregressive(compiled=True), max_new_tokens)[0]
+                   == generate(models[name], ids, Autoregressive(), max_new_tokens)[0] for ids in prompts)
+        counts[name] = f"{same}/{len(prompts)}"
+    if counts:
+        print("compiled plain decoding == eager plain decoding:", ", ".join(f"{k} {v}" for k, v in counts.items()))
+    return counts
 
 
 def exactness(models: dict[str, Transformer], prompts: list[list[int]], max_new_tokens: int) -> dict:

@@ -1,0 +1,75 @@
+"""Plain decoding through the compiled one-token step (minilade/compiled.py, issue 13)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minilade import Autoregressive
+from minilade.cli import build_parser, main, settings_from_args
+from minilade.compiled import one_token_logits
+from minilade.config import ModelConfig
+from minilade.model import Transformer
+from minilade.quant import quantize_embedding, quantize_linears
+from tests.helpers import run_tokens, tiny_model
+
+
+def stock_model(sliding_window: int = 0) -> Transformer:
+    config = ModelConfig.preset("tiny-gqa").replace(vocab_size=40, sliding_window=sliding_window)
+    model = Transformer(config).init_random(seed=5, std=0.3).eval()
+    model.batch_invariant = False  # the stock kernels, which the compiled step's logits are compared with
+    return model
+
+
+@pytest.mark.parametrize("sliding_window", [0, 5])
+def test_static_step_gives_the_logits_of_the_models_own_step(sliding_window: int) -> None:
+    """one_token_logits run eagerly: attention over every slot, later slots masked (and, with a window, older
+    ones), against Transformer.forward's one-token steps on the same cache contents."""
+    model = stock_model(sliding_window)
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    ours, theirs = model.new_cache(24, invariant=False), model.new_cache(24, invariant=False)
+    with torch.inference_mode():
+        for cache in (ours, theirs):
+            model(prompt, torch.arange(prompt.shape[1]), cache)
+            cache.commit(prompt.shape[1])
+        token = torch.tensor([[7]])
+        for _ in range(10):  # past the window: the oldest keys drop out
+            pos = torch.tensor([ours.length])
+            cos, sin = model.rotary(pos.view(1, 1))
+            got = one_token_logits(model, model.tok_embeddings(token), cos, sin, pos, ours.k, ours.v)
+            want = model(token, pos, theirs)
+            ours.commit(1)
+            theirs.commit(1)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            token = want[:, -1:].argmax(-1)
+    torch.testing.assert_close(ours.k[:, :, :, :ours.length], theirs.k[:, :, :, :theirs.length])
+
+
+def test_compiled_plain_decoding_gives_the_stock_kernels_tokens() -> None:
+    """torch.compile end to end (the first call compiles), two generations of different cache capacity (one
+    graph: the slot count is dynamic), a float32 model and an int4 one."""
+    model = stock_model()
+    int4 = quantize_embedding(quantize_linears(tiny_model(preset="tiny-mha", seed=3), "int4", 32))
+    int4.batch_invariant = False
+    for m, prompts in ((model, ([3, 1, 4], [2, 7, 1, 8, 2, 8])), (int4, ([5, 1],))):
+        for prompt in prompts:
+            compiled, run = run_tokens(m, prompt, Autoregressive(compiled=True), max_new_tokens=20)
+            assert compiled == run_tokens(m, prompt, Autoregressive(), max_new_tokens=20)[0]
+            assert run.stats.steps == 19 and run.stats.strategy == "autoregressive"
+
+
+def test_compiled_refuses_a_padded_cache_and_bad_settings() -> None:
+    with pytest.raises(ValueError, match="compiled must be True or False"):
+        Autoregressive(compiled="yes")
+    model = tiny_model()
+    assert model.new_cache(8).padded and not model.new_cache(8, invariant=False).padded
+    assert not Autoregressive(compiled=True).invariant_steps and Autoregressive().invariant_steps
+
+
+def test_compile_flag_reaches_plain_decoding_only(capsys) -> None:
+    on = settings_from_args(build_parser().parse_args(["p", "--strategy", "autoregressive", "--compile"]))
+    assert on.strategy == Autoregressive(compiled=True)
+    for strategy in ("lookahead", "auto"):
+        assert main(["a", "--ckpt", "/nonexistent.gguf", "--strategy", strategy, "--compile"]) == 2
+        err = capsys.readouterr().err
+        assert "--compile runs plain decoding only" in err and len(err.strip().splitlines()) == 1
