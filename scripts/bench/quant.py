@@ -283,32 +283,25 @@ def run_decode(args: argparse.Namespace) -> dict:
                         weight_mb=weight_bytes(model) / MB) for name, (model, _) in timed.items()}
     print_table(f"plain decoding, {len(prompts)} HumanEval prompts x {args.max_new_tokens} tokens, "
                 f"{args.repeats} repeats", table, ".2f")
-    return dict(table=table, exact=exactness(models, prompts, args.max_new_tokens),
-                compiled_vs_eager=compiled_agreement(models, args.compiled, prompts, args.max_new_tokens))
+    compiled = {name: models[name] for name in args.compiled}
+    return dict(table=table,
+                exact=agreement("greedy lookahead (7,5,7) == plain decoding", models,
+                                Lookahead(window=7, ngram=5, guesses=7), prompts, args.max_new_tokens),
+                # the compiled step rounds as the stock kernels do, so a near tie may go the other way
+                compiled_vs_eager=agreement("compiled plain decoding == eager plain decoding", compiled,
+                                            Autoregressive(compiled=True), prompts, args.max_new_tokens))
 
 
-def compiled_agreement(models: dict[str, Transformer], names: Sequence[str], prompts: list[list[int]],
-                       max_new_tokens: int) -> dict:
-    """For each compiled contender, on how many prompts its greedy output equals plain decoding's (eager, batch-
-    invariant): the compiled step rounds differently, so a near tie may go the other way."""
-    counts = {}
-    for name in names:
-        same = sum(generate(models[name], ids, Autoregressive(compiled=True), max_new_tokens)[0]
-                   == generate(models[name], ids, Autoregressive(), max_new_tokens)[0] for ids in prompts)
-        counts[name] = f"{same}/{len(prompts)}"
-    if counts:
-        print("compiled plain decoding == eager plain decoding:", ", ".join(f"{k} {v}" for k, v in counts.items()))
-    return counts
-
-
-def exactness(models: dict[str, Transformer], prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """How many prompts give greedy lookahead (7,5,7) output identical to plain decoding under each model."""
+def agreement(title: str, models: dict[str, Transformer], strategy: Any, prompts: list[list[int]],
+              max_new_tokens: int) -> dict[str, str]:
+    """On how many prompts each model's greedy output under `strategy` is identical to plain decoding's."""
     counts = {}
     for name, model in models.items():
-        same = sum(generate(model, ids, Lookahead(window=7, ngram=5, guesses=7), max_new_tokens)[0]
+        same = sum(generate(model, ids, strategy, max_new_tokens)[0]
                    == generate(model, ids, Autoregressive(), max_new_tokens)[0] for ids in prompts)
         counts[name] = f"{same}/{len(prompts)}"
-    print("greedy lookahead (7,5,7) == plain decoding:", ", ".join(f"{k} {v}" for k, v in counts.items()))
+    if counts:
+        print(f"{title}:", ", ".join(f"{k} {v}" for k, v in counts.items()))
     return counts
 
 

@@ -22,13 +22,16 @@ def quantizable_checkpoint(tmp_path_factory) -> Path:
 def test_decode_and_steps_run_every_contender_batch_invariant(quantizable_checkpoint: Path, data_dir: Path,
                                                               tmp_path: Path) -> None:
     argv = ["--parts", "decode", "steps", "--ckpt", str(quantizable_checkpoint), "--data-dir", str(data_dir),
-            "--n-prompts", "1", "--max-new-tokens", "6", "--repeats", "1", "--out-dir", str(tmp_path)]
+            "--n-prompts", "1", "--max-new-tokens", "6", "--repeats", "1", "--out-dir", str(tmp_path),
+            "--compiled", "int4"]
     assert quant.main(argv) == 0
     results = json.loads((tmp_path / "quant_results.json").read_text())
     decode = results["decode"]
     timed = {"float32", "bfloat16", "int8", "int8 bf16 model", "int4", "int4 bf16 model"}
-    assert set(decode["table"]) == timed and decode["table"]["float32"]["vs_float32"] == 1.0
+    assert set(decode["table"]) == timed | {"int4 compiled"} and decode["table"]["float32"]["vs_float32"] == 1.0
+    assert decode["table"]["int4 compiled"]["tokens_per_s"] > 0
     assert {name: same for name, same in decode["exact"].items() if name in timed} == dict.fromkeys(timed, "1/1")
+    assert set(decode["compiled_vs_eager"]) == {"int4"}  # how many agree is reported, not promised
     assert set(results["steps"]) >= {"table"}
 
 
