@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from minilade import Autoregressive
 from minilade.cli import build_parser, main, settings_from_args
-from minilade.compiled import one_token_logits
+from minilade.compiled import compiled_step, one_token_logits
 from minilade.config import ModelConfig
+from minilade.decoding.autoregressive import CompiledDecoder
 from minilade.model import Transformer
 from minilade.quant import quantize_embedding, quantize_linears
 from tests.helpers import run_tokens, tiny_model
@@ -58,12 +61,16 @@ def test_compiled_plain_decoding_gives_the_stock_kernels_tokens() -> None:
             assert run.stats.steps == 19 and run.stats.strategy == "autoregressive"
 
 
-def test_compiled_refuses_a_padded_cache_and_bad_settings() -> None:
+def test_compiled_refuses_a_padded_cache_other_devices_and_bad_settings() -> None:
     with pytest.raises(ValueError, match="compiled must be True or False"):
         Autoregressive(compiled="yes")
     model = tiny_model()
     assert model.new_cache(8).padded and not model.new_cache(8, invariant=False).padded
     assert not Autoregressive(compiled=True).invariant_steps and Autoregressive().invariant_steps
+    with pytest.raises(ValueError, match="invariant=False"):
+        CompiledDecoder(SimpleNamespace(model=model, cache=model.new_cache(8)))
+    with pytest.raises(ValueError, match="CPU only, not meta"):
+        compiled_step(tiny_model().to("meta"))
 
 
 def test_compile_flag_reaches_plain_decoding_only(capsys) -> None:
