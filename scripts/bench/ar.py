@@ -160,7 +160,7 @@ def measure_dtype(args: argparse.Namespace, ckpt_path: Path, texts: dict[str, li
                   ) -> tuple[ModelConfig, list[dict]]:
     """Both libraries in one dtype, side by side: the model's config and the timed records."""
     llm = LLM.load(ckpt_path, dtype=dtype, device="cpu")
-    prompts = encode_prompts(llm, texts)
+    prompts = encode_prompts(llm, texts, show_progress=not args.no_progress)
     runner = Runner(llm, None if args.no_transformers else load_hf_model(ckpt_path, dtype))
     by_temperature = {0.0: contenders(not args.no_transformers)}
     warm_up(runner, by_temperature, prompts, args.max_new_tokens)

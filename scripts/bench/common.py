@@ -44,18 +44,34 @@ Setting = tuple[int, int, int]  # lookahead (W, N, G)
 
 @dataclass(frozen=True)
 class PromptSet:
-    """One dataset: its jsonl file, the prompt text of a record, and whether it goes through the chat template."""
+    """One dataset: its jsonl file, the prompt text of a record, and whether it goes through the chat template.
+    follow_up: for a second-turn set, the question asked after the model's own answer to `prompt` (TwoTurns)."""
 
     file: str
     prompt: Callable[[dict], str]
     chat: bool
+    follow_up: Callable[[dict], str] | None = None
 
 
+@dataclass(frozen=True)
+class TwoTurns:
+    """A second-turn prompt: the chat holds `first`, the model's own answer to it (plain greedy decoding, made when
+    the prompt is encoded: encode_prompts), then `second`, which is what gets answered."""
+
+    first: str
+    second: str
+
+
+FIRST_ANSWER_TOKENS = 128
 DATASETS: dict[str, PromptSet] = {
     "mt_bench": PromptSet("mt_bench.jsonl", lambda record: record["turns"][0], chat=True),
     "humaneval": PromptSet("humaneval.jsonl", lambda record: record["prompt"], chat=False),
     "gsm8k": PromptSet("gsm8k_test.jsonl", lambda record: record["question"], chat=True),
+    # MT-Bench's second turn, the first turn and the model's answer to it in the context (multi-turn chat)
+    "mt_bench_turn2": PromptSet("mt_bench.jsonl", lambda record: record["turns"][0], chat=True,
+                                follow_up=lambda record: record["turns"][1]),
 }
+DEFAULT_DATASETS = ["mt_bench", "humaneval", "gsm8k"]  # the paper's three; the second turn is asked for by name
 
 
 # ---- command line ----------------------------------------------------------------------------------------------
@@ -113,7 +129,9 @@ def add_prompt_options(p: argparse.ArgumentParser, n_prompts: int) -> None:
     """The options of every job that runs the model on the prompt sets."""
     p.add_argument("--ckpt", default=DEFAULT_CHECKPOINT, help="a .gguf file or a checkpoint folder (as the CLI)")
     p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="folder of the jsonl prompt sets")
-    p.add_argument("--datasets", nargs="+", choices=list(DATASETS), default=list(DATASETS))
+    p.add_argument("--datasets", nargs="+", choices=list(DATASETS), default=DEFAULT_DATASETS,
+                   help=f"prompt sets (default: {' '.join(DEFAULT_DATASETS)}; mt_bench_turn2 is MT-Bench's second "
+                        f"turn after the model's own greedy answer to the first)")
     p.add_argument("--n-prompts", type=positive_int, default=n_prompts, help="first N prompts of each dataset")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -176,8 +194,9 @@ def run_timed_job(module: str, parse_args: Callable[[list[str]], argparse.Namesp
 
 # ---- prompts ---------------------------------------------------------------------------------------------------
 
-def load_prompt_texts(data_dir: Path, names: Sequence[str], n: int) -> dict[str, list[str]]:
-    """The first n prompt texts of each dataset. Every file is checked before any is read."""
+def load_prompt_texts(data_dir: Path, names: Sequence[str], n: int) -> dict[str, list[str | TwoTurns]]:
+    """The first n prompt texts of each dataset (TwoTurns for a second-turn set). Every file is checked before
+    any is read."""
     paths = {name: data_dir / DATASETS[name].file for name in names}
     for path in paths.values():
         if not path.is_file():
@@ -186,14 +205,29 @@ def load_prompt_texts(data_dir: Path, names: Sequence[str], n: int) -> dict[str,
     for name, path in paths.items():
         with path.open(encoding="utf-8") as f:
             records = [json.loads(line) for line in itertools.islice((line for line in f if line.strip()), n)]
-        texts[name] = [DATASETS[name].prompt(r) for r in records]
+        s = DATASETS[name]
+        texts[name] = [s.prompt(r) if s.follow_up is None else TwoTurns(s.prompt(r), s.follow_up(r)) for r in records]
     return texts
 
 
-def encode_prompts(llm: LLM, texts: dict[str, list[str]]) -> dict[str, list[list[int]]]:
-    """Token ids of each prompt, through the chat template where its dataset asks; each must fit the context."""
+def encode_prompts(llm: LLM, texts: dict[str, list[str | TwoTurns]], show_progress: bool = True,
+                   first_answer_tokens: int = FIRST_ANSWER_TOKENS) -> dict[str, list[list[int]]]:
+    """Token ids of each prompt, through the chat template where its dataset asks; each must fit the context.
+    A TwoTurns prompt first has the model answer its first turn, in at most first_answer_tokens (a progress bar
+    counts those answers)."""
     limit = llm.model.config.max_seq_len
-    prompts = {name: [llm.encode(t, chat=DATASETS[name].chat) for t in items] for name, items in texts.items()}
+    n_answers = sum(isinstance(t, TwoTurns) for items in texts.values() for t in items)
+    with progress(n_answers, "first turns", show_progress and n_answers > 0) as bar:
+        def encode(item: str | TwoTurns, chat: bool) -> list[int]:
+            if not isinstance(item, TwoTurns):
+                return llm.encode(item, chat=chat)
+            answer = llm.generate(item.first, chat=True, max_new_tokens=first_answer_tokens, temperature=0.0,
+                                  strategy="autoregressive").text
+            bar.update()
+            return llm.encode([{"role": "user", "content": item.first}, {"role": "assistant", "content": answer},
+                               {"role": "user", "content": item.second}])
+
+        prompts = {name: [encode(t, DATASETS[name].chat) for t in items] for name, items in texts.items()}
     for name, items in prompts.items():
         for i, ids in enumerate(items):
             if len(ids) >= limit:

@@ -116,7 +116,7 @@ def job(argv: list[str]) -> int:
     texts = load_prompt_texts(args.data_dir, args.datasets, args.skip + args.n_prompts)
     texts = {name: items[args.skip:] for name, items in texts.items()}
     llm = LLM.load(args.ckpt, dtype=args.dtype, device="cpu", progress=False)
-    prompts = encode_prompts(llm, texts)
+    prompts = encode_prompts(llm, texts, show_progress=not args.no_progress)
     records = compare(llm, prompts, args.settings, args.max_new_tokens, not args.no_progress,
                       desc=f"exactness {args.dtype}", auto=args.auto, first_index=args.skip)
     print(f"\n{args.dtype}, {args.max_new_tokens} new tokens, greedy lookahead vs greedy autoregressive\n")

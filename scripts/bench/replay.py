@@ -15,8 +15,9 @@ saved output is used up. The lookahead window cannot be replayed (it needs the m
 positions), so replayed compression is what the text sources achieve on their own.
 
 Reported per dataset and policy: compression (new tokens per forward pass, the prefill counted, as the decode
-benchmark counts it), mean rows fed per step, and the estimated speedup over plain decoding with the step-cost
-curve given by --costs (ms per pass for some row counts, interpolated; default: the curve in docs/benchmarks.md,
+benchmark counts it), mean rows fed per step, and the estimated speedup over plain decoding, over the whole set and
+as the median over prompts of the per-prompt ratio (the decode benchmark's figure), with the step-cost curve given
+by --costs (ms per pass for some row counts, interpolated; default: the curve in docs/benchmarks.md,
 measured on the project's 2-core machine).
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,7 +182,8 @@ def record(args: argparse.Namespace, command: str) -> int:
     from minilade import LLM, Autoregressive
 
     llm = LLM.load(args.ckpt, dtype="float32")
-    prompts = encode_prompts(llm, load_prompt_texts(args.data_dir, args.datasets, args.n_prompts))
+    prompts = encode_prompts(llm, load_prompt_texts(args.data_dir, args.datasets, args.n_prompts),
+                             show_progress=not args.no_progress)
     records = []
     for name, items in prompts.items():
         for i, ids in enumerate(items):
@@ -198,20 +201,25 @@ def rank(args: argparse.Namespace, command: str) -> int:
     costs = StepCosts(load_costs(args.costs))
     policies = [parse_policy(p, costs) for p in args.policies]
     print(f"command: {command}\nreplayed greedy steps over {len(records)} saved outputs; no model run\n")
-    print("| dataset | policy | compression | rows fed/step | est. speedup vs AR |\n| --- | --- | --- | --- | --- |")
+    print("| dataset | policy | compression | rows fed/step | est. speedup vs AR: whole set | median prompt |\n"
+          "| --- | --- | --- | --- | --- | --- |")
     results = []
     for name in dict.fromkeys(r["dataset"] for r in records):
-        ar_ms = sum(costs(1) * (len(r["output"]) - 1) for r in records if r["dataset"] == name)
+        mine = [r for r in records if r["dataset"] == name]
+        ar_ms = [costs(1) * (len(r["output"]) - 1) for r in mine]
         for policy in policies:
-            total = Replayed()
-            for r in (r for r in records if r["dataset"] == name):
-                total.add(replay(policy.make(r["prompt"]), r["prompt"], r["output"], costs))
+            total, ratios = Replayed(), []
+            for r, ar in zip(mine, ar_ms):
+                done = replay(policy.make(r["prompt"]), r["prompt"], r["output"], costs)
+                total.add(done)
+                ratios.append(ar / done.cost_ms if done.cost_ms else 1.0)
             steps = total.passes - 1
             row = dict(dataset=name, policy=policy.name, compression=total.new_tokens / total.passes,
-                       rows_per_step=total.rows / max(steps, 1), speedup=ar_ms / max(total.cost_ms, 1e-9))
+                       rows_per_step=total.rows / max(steps, 1), speedup=sum(ar_ms) / max(total.cost_ms, 1e-9),
+                       median_speedup=statistics.median(ratios))
             results.append(row)
             print(f"| {name} | {policy.name} | {row['compression']:.2f} | {row['rows_per_step']:.1f} | "
-                  f"{row['speedup']:.2f} |", flush=True)
+                  f"{row['speedup']:.2f} | {row['median_speedup']:.2f} |", flush=True)
     write_outputs(args, command, results, "policy", "replayed draft policies (greedy, text sources only)")
     return 0
 

@@ -44,7 +44,23 @@ def test_prompt_texts_take_each_sets_field_and_skip_blank_lines(tmp_path: Path) 
     texts = common.load_prompt_texts(tmp_path, ["mt_bench", "humaneval"], n=5)
     assert texts == {"mt_bench": ["first", "third"], "humaneval": ["def f():"]}
     assert common.load_prompt_texts(tmp_path, ["mt_bench"], n=1) == {"mt_bench": ["first"]}
-    assert [s.chat for s in common.DATASETS.values()] == [True, False, True]  # humaneval is a raw completion
+    assert [s.chat for s in common.DATASETS.values()] == [True, False, True, True]  # humaneval: raw completion
+
+
+def test_the_second_turn_follows_the_models_own_greedy_answer(tiny_checkpoint: Path, data_dir: Path) -> None:
+    from minilade import LLM
+
+    texts = common.load_prompt_texts(data_dir, ["mt_bench_turn2"], n=1)
+    assert texts == {"mt_bench_turn2": [common.TwoTurns("hello world a b", "second turn")]}
+    llm = LLM.load(tiny_checkpoint)
+    ids = common.encode_prompts(llm, texts, show_progress=False, first_answer_tokens=6)["mt_bench_turn2"][0]
+    answer = llm.generate("hello world a b", chat=True, max_new_tokens=6, temperature=0.0, strategy="autoregressive")
+    assert answer.token_ids  # the tiny model says something, which the second turn's context must hold
+    assert ids == llm.encode([{"role": "user", "content": "hello world a b"},
+                              {"role": "assistant", "content": answer.text},
+                              {"role": "user", "content": "second turn"}])
+    assert llm.tokenizer.decode(ids).startswith("user: hello world a b\nassistant: ")
+    assert llm.tokenizer.decode(ids).endswith("\nuser: second turn\nassistant:")
 
 
 def test_a_missing_data_file_is_named_before_any_is_read(tmp_path: Path) -> None:
