@@ -3,10 +3,10 @@
 Lookahead trades compute per step for fewer steps, which pays only where a step of many tokens costs little
 more than a step of one. So the strategy measures that cost on the loaded model (`measure_step_costs`, a few
 forward passes, memoised per model and optionally kept in a file) and, every step:
-1. gathers draft paths from every source (minilade/drafts/): suffix drafts of any length from the text, the
-   n-gram pool's candidates (from the text and from the lookahead window) and, when on, a tree recycled from the
-   model's own top-k outputs and, when on, the window's own chain of freshest guesses, merged into one trie
-   (DraftTree);
+1. gathers draft paths from every source (minilade/drafts/): suffix drafts of any length from the text and, when
+   given a DraftHistory, from the model's answers to earlier prompts; the n-gram pool's candidates (from the text
+   and from the lookahead window); when on, a tree recycled from the model's own top-k outputs and the window's
+   own chain of freshest guesses; all merged into one trie (DraftTree);
 2. scores every node with its chance of being accepted, the product of its path's calibrated conditional chances
    (Calibration, learnt online from every verification and seeded by replaying the prompt);
 3. feeds x and the b most likely nodes (ancestors first; the expected number of accepted tokens is the sum of
@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..drafts.sources import pool_paths, replay_calibration, suffix_paths, text_sources
+from ..drafts.history import DraftHistory
+from ..drafts.sources import history_paths, pool_paths, replay_calibration, suffix_paths, text_sources
 from ..drafts.tree import Calibration, DraftPath, DraftTree
 from .base import DecodeContext, Decoder, Step
 from .lookahead import Lookahead, LookaheadDecoder, StepShape, Verdict, whole_number
@@ -30,7 +31,7 @@ from .step_costs import StepCosts, step_costs_for
 
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # step sizes measured for the cost curve
 # Conditional chances of a draft token being right, by source, before any evidence.
-PRIORS = {"suffix": 0.5, "pool": 0.2, "window": 0.15, "recycle": 0.15, "chain": 0.15}
+PRIORS = {"suffix": 0.5, "history": 0.3, "pool": 0.2, "window": 0.15, "recycle": 0.15, "chain": 0.15}
 PROMPT_REPLAY = 384  # prompt positions replayed to seed the calibration
 RECYCLE_WIDTHS = (None, 2, 1, 1)  # children per node at each depth of the recycled tree (None: all k)
 
@@ -43,6 +44,8 @@ class Auto(Lookahead):
     on by default. draft_budget: the most rows one step feeds (None: (W + G)(N - 1), the W, N, G step's).
     cost_file: where measured step costs are kept between runs (None: measured once per process and model).
     costs: step costs to use instead of measuring (benchmarks and tests).
+    history: earlier answers to draft from as well (suffix_draft tokens, suffix_branches drafts); each generation
+    adds its own new tokens to it when it ends, unless it is frozen. Shared by every generation given it.
     """
 
     suffix_draft: int = 16
@@ -50,12 +53,15 @@ class Auto(Lookahead):
     draft_budget: int | None = None
     cost_file: str | None = None
     costs: StepCosts | None = field(default=None, compare=False, repr=False)
+    history: DraftHistory | None = field(default=None, compare=False, repr=False)
     name = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.draft_budget is not None:
             whole_number(self.draft_budget, "draft_budget (rows per step)", minimum=1)
+        if self.history is not None and not isinstance(self.history, DraftHistory):
+            raise ValueError(f"history must be a DraftHistory, got {type(self.history).__name__}")
 
     @property
     def budget(self) -> int:
@@ -79,8 +85,9 @@ class Auto(Lookahead):
         return AutoDecoder(ctx, self)
 
     def __str__(self) -> str:
+        history = f", history of {len(self.history)} tokens" if self.history is not None else ""
         return (f"auto(W<={self.window}, N<={self.ngram}, G<={self.guesses}, suffix {self.suffix_branches}x"
-                f"{self.suffix_draft}, <= {self.budget} rows)")
+                f"{self.suffix_draft}{history}, <= {self.budget} rows)")
 
 
 def best_plan(chances: list[float], costs: StepCosts, budget: int, window_rows: int | None = None,
@@ -117,6 +124,7 @@ class AutoDecoder(LookaheadDecoder):
     def __init__(self, ctx: DecodeContext, settings: Auto) -> None:
         super().__init__(ctx, settings)
         self.budget = settings.budget
+        self.history, self.prompt_length = settings.history, len(ctx.tokens)
         self.verify_shape = StepShape(self.layout, with_window=False, device=ctx.device)
         sizes = {T for T in COST_SIZES if T <= self.budget} | {self.budget}
         if self.full_shape.n_base <= self.budget:
@@ -157,6 +165,8 @@ class AutoDecoder(LookaheadDecoder):
         tokens = self.ctx.tokens
         out = suffix_paths(self.suffix, tokens, min(self.suffix_draft, room), self.suffix_branches) \
             if self.suffix_draft else []
+        if self.history is not None and self.suffix_draft:
+            out += history_paths(self.history, tokens, min(self.suffix_draft, room), self.suffix_branches)
         if self.layout.guesses:
             self.candidates(0)  # pools the n-grams the text gained
             out += pool_paths(self.pool, tokens[-1], self.layout.guesses)
@@ -167,6 +177,10 @@ class AutoDecoder(LookaheadDecoder):
         if chain:
             out.append(DraftPath(chain, tuple(("chain", i) for i in range(len(chain)))))
         return out
+
+    def finish(self, handed_out: int) -> None:
+        if self.history is not None:
+            self.history.add(self.ctx.tokens[self.prompt_length:self.prompt_length + handed_out])
 
     @property
     def window_gain(self) -> float:

@@ -73,6 +73,10 @@ class Decoder(ABC):
     def step(self) -> Step:
         """One forward pass after the prefill."""
 
+    def finish(self, handed_out: int) -> None:
+        """The generation is over (finished, or its consumer stopped): nothing more will run. The consumer got
+        the first `handed_out` tokens after the prompt in ctx.tokens (a step may have emitted a few more)."""
+
     def emit(self, block: list[int]) -> list[int]:
         self.ctx.tokens.extend(block)
         self.ctx.sampler.observe(block)

@@ -174,21 +174,24 @@ def _run_decoder(decoder: Decoder, run: TokenRun, max_new_tokens: int, eos: froz
     Inference mode is entered around each forward pass only, so the consumer's code never runs in it."""
     stats = run.stats
     limit = min(decoder.ctx.limit, stats.prompt_tokens + max_new_tokens)
-    step, stats.prefill_s = timed(decoder.prefill)
-    while True:
-        for token in step.tokens:
-            stats.new_tokens += 1
-            if token in eos:
-                run.finish_reason = "eos"
-            elif stats.new_tokens >= max_new_tokens:
-                run.finish_reason = "length"
-            elif stats.prompt_tokens + stats.new_tokens >= limit:
-                run.finish_reason = "context"
-            yield token  # the reason is set first, so a consumer that stops at this token sees it
-            if run.finish_reason:
-                return
-        step, seconds = timed(decoder.step)
-        stats.count(step, seconds)
+    try:
+        step, stats.prefill_s = timed(decoder.prefill)
+        while True:
+            for token in step.tokens:
+                stats.new_tokens += 1
+                if token in eos:
+                    run.finish_reason = "eos"
+                elif stats.new_tokens >= max_new_tokens:
+                    run.finish_reason = "length"
+                elif stats.prompt_tokens + stats.new_tokens >= limit:
+                    run.finish_reason = "context"
+                yield token  # the reason is set first, so a consumer that stops at this token sees it
+                if run.finish_reason:
+                    return
+            step, seconds = timed(decoder.step)
+            stats.count(step, seconds)
+    finally:
+        decoder.finish(stats.new_tokens)
 
 
 def timed(forward: Callable[[], Step]) -> tuple[Step, float]:

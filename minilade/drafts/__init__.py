@@ -1,6 +1,7 @@
 """Draft sources for lookahead's verification branch, and the scored tree that combines them.
 
     suffix.py   SuffixIndex: what followed the longest earlier occurrence of the text's ending (any length)
+    history.py  DraftHistory: the same over the model's answers to earlier prompts (drafts across requests)
     recycle.py  RecycleTable: the model's own top-k next tokens after every token it read, a (V, k) table
     tree.py     DraftPath, Calibration (online acceptance estimates per source), DraftTree (paths merged into a
                 trie, nodes ranked by estimated chance of acceptance)

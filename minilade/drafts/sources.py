@@ -3,6 +3,7 @@
 Keys (source, bucket) say what a token's chance of being right depends on:
 - ("suffix", (m, branch)): a suffix draft's token that continues an m-token match (m = key length + tokens drafted
   before it, capped at MAX_MATCH); branch is False for the most recent occurrence of the longest match;
+- ("history", (m, branch)): the same for a draft from earlier answers (history.py);
 - ("pool", depth) / ("window", depth): a pool candidate's token at that depth, from an n-gram the text contained or
   one only the lookahead window produced.
 `replay_calibration` runs the same sources over text whose continuation is known (the prompt), so the estimates
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ..ngram_pool import NGramPool
+from .history import DraftHistory
 from .suffix import SuffixIndex
 from .tree import Calibration, DraftPath
 
@@ -27,6 +29,13 @@ def suffix_paths(index: SuffixIndex, tokens: Sequence[int], length: int, branche
         keys = tuple(("suffix", (min(d.match + i, MAX_MATCH), d.rank > 0)) for i in range(len(d.tokens)))
         out.append(DraftPath(d.tokens, keys))
     return out
+
+
+def history_paths(history: DraftHistory, tokens: Sequence[int], length: int, branches: int) -> list[DraftPath]:
+    """The history's drafts (earlier answers) for the text `tokens`, as keyed paths ("history", (m, branch))."""
+    return [DraftPath(d.tokens, tuple(("history", (min(d.match + i, MAX_MATCH), d.rank > 0))
+                                      for i in range(len(d.tokens))))
+            for d in history.drafts(tokens, length, branches)]
 
 
 def pool_paths(pool: NGramPool, key: int, limit: int) -> list[DraftPath]:

@@ -9,14 +9,16 @@ past the end of the text (a draft may be longer than N - 1). Occurrences whose c
 different drafts: the branches of a small tree.
 
 Invariants: positions index the token list the index was fed (append-only; `update` indexes what was appended
-since the last call). Memory: at most max_key keys per token of the text and `keep` positions per key, so it is
-bounded by max_key * keep * (context length).
+since the last call); no key spans a SEPARATOR (history.py joins several texts with it). Memory: at most max_key
+keys per token of the text and `keep` positions per key, so it is bounded by max_key * keep * (context length).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
+
+SEPARATOR = -1  # never a token id: a list of several texts holds it between them, and no key spans it
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class SuffixIndex:
         """Index the tokens appended since the last call (tokens must extend the list indexed so far)."""
         for end in range(self.indexed, len(tokens)):
             for k in range(1, min(self.max_key, end + 1) + 1):
+                if tokens[end - k + 1] == SEPARATOR:
+                    break
                 ends = self._ends.setdefault(tuple(tokens[end - k + 1:end + 1]), [])
                 ends.append(end)
                 if len(ends) > self.keep:
@@ -76,17 +80,24 @@ class SuffixIndex:
         if length < 1 or branches < 1:
             return []
         self.update(tokens)
+        n = len(tokens)
+        return self.drafts_for(tokens, branches, lambda end: copy_after(tokens, end, length) if end < n - 1 else ())
+
+    def drafts_for(self, query: Sequence[int], branches: int, path_at: Callable[[int], tuple[int, ...]]
+                   ) -> list[SuffixDraft]:
+        """Up to `branches` distinct non-empty drafts path_at(end) for the indexed occurrences of the query's
+        last k tokens, k = max_key, ..., 1 (longest first, then most recent first; each end position once, with
+        its longest match). The query may be the indexed text itself (drafts) or another text (history.py)."""
         out: list[SuffixDraft] = []
         seen_ends: set[int] = set()
         seen_paths: set[tuple[int, ...]] = set()
-        n = len(tokens)
-        for k in range(min(self.max_key, n - 1), 0, -1):
-            for end in reversed(self._ends.get(tuple(tokens[n - k:]), ())):
-                if end >= n - 1 or end in seen_ends:
+        for k in range(min(self.max_key, len(query)), 0, -1):
+            for end in reversed(self._ends.get(tuple(query[len(query) - k:]), ())):
+                if end in seen_ends:
                     continue
                 seen_ends.add(end)
-                path = copy_after(tokens, end, length)
-                if path not in seen_paths:
+                path = path_at(end)
+                if path and path not in seen_paths:
                     seen_paths.add(path)
                     out.append(SuffixDraft(path, k, len(out)))
                     if len(out) == branches:

@@ -16,7 +16,10 @@ times, median kept; speedups are medians over prompts of paired per-prompt ratio
 prefill included, for both libraries.
 
 Datasets (../shared/data by default): mt_bench.jsonl (turns[0], chat template), humaneval.jsonl (prompt, raw
-completion), gsm8k_test.jsonl (question, chat template); the first --n-prompts of each. The published reference's
+completion), gsm8k_test.jsonl (question, chat template); the first --n-prompts of each. `--datasets mt_bench_turn2`
+adds MT-Bench's second turn (turns[1]), asked after turns[0] and the model's own greedy answer to it.
+`--auto 7,5,7:history=20` adds an auto row that also drafts from plain decoding's answers to 20 other prompts of
+each dataset (the 20 after the measured ones; seeded_histories). The published reference's
 figures (reference_figures.json, not measured here) are printed beside ours as "ref." for its model in float32.
 """
 
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from minilade import LLM, Auto, Autoregressive
+from minilade import LLM, Auto, Autoregressive, DraftHistory
 from minilade.checkpoints import resolve_checkpoint
 from minilade.config import ModelConfig
 from minilade.decoding.step_costs import measure_step_costs
@@ -52,6 +55,7 @@ from .common import (
     options_record,
     parse_with_quick,
     positive_int,
+    progress,
     run_timed_job,
     sampling_temperature,
     setting_text,
@@ -89,7 +93,8 @@ STEP_COST_SOURCE = "minilade.decoding.step_costs.measure_step_costs"
 
 def auto_setting(text: str) -> tuple[Setting, dict[str, int]] | None:
     """'none' (no auto row), or 'W,N,G[:field=value,...]': auto's largest step and other Auto fields, e.g.
-    7,5,7:recycle_topk=2 (values are whole numbers; 0/1 switch the window options)."""
+    7,5,7:recycle_topk=2 (values are whole numbers; 0/1 switch the window options). history=H gives auto a
+    DraftHistory seeded with plain decoding's answers to H other prompts of each dataset (seeded_history)."""
     if text == "none":
         return None
     shape, _, extra = text.partition(":")
@@ -102,9 +107,11 @@ def auto_setting(text: str) -> tuple[Setting, dict[str, int]] | None:
             fields[key] = int(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"bad auto setting {text!r}: {key} needs a whole number") from None
+    if fields.get("history", 1) < 1:
+        raise argparse.ArgumentTypeError(f"bad auto setting {text!r}: history needs a number of prompts >= 1")
     setting = lookahead_setting(shape)
     try:
-        Auto(*setting, **fields)
+        Auto(*setting, **{k: v for k, v in fields.items() if k != "history"})
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"bad auto setting {text!r}: {e}") from None
     return setting, fields
@@ -147,14 +154,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def contenders(args: argparse.Namespace, temperature: float) -> list[Contender]:
-    """The rows at one temperature: transformers generate is greedy only, so it joins at temperature 0."""
+def contenders(args: argparse.Namespace, temperature: float, histories: dict[int, DraftHistory] | None = None
+                ) -> list[Contender]:
+    """The rows at one temperature: transformers generate is greedy only, so it joins at temperature 0.
+    histories: the seeded history of each auto row given history=H (seeded_histories); an empty one without."""
     settings = [] if args.no_lookahead else args.settings
     rows = [Contender(AR, "minilade", Autoregressive())] + [lookahead_contender(s) for s in settings]
     autos = [a for a in args.auto if a is not None]
     for setting, fields in autos:
         label = AUTO if len(autos) == 1 else f"{AUTO} ({auto_text(setting, fields)})"
-        rows.append(Contender(label, "minilade", Auto(*setting, **fields)))
+        own = {k: v for k, v in fields.items() if k != "history"}
+        history = (histories or {}).get(fields["history"], DraftHistory()) if "history" in fields else None
+        rows.append(Contender(label, "minilade", Auto(*setting, **own, history=history)))
     if temperature == 0 and not args.no_transformers:
         rows += [Contender(HF_GENERATE, "transformers"),
                  Contender(HF_PROMPT_LOOKUP, "transformers", prompt_lookup=args.prompt_lookup_tokens)]
@@ -304,13 +315,39 @@ def timed_records(args: argparse.Namespace, ckpt_path: Path) -> tuple[LLM, Conte
     """Loads both libraries' models, warms every contender up and runs the timed loop."""
     texts = load_prompt_texts(args.data_dir, args.datasets, args.n_prompts)
     llm = LLM.load(ckpt_path, dtype=args.dtype, device="cpu")
-    prompts = encode_prompts(llm, texts)
+    prompts = encode_prompts(llm, texts, show_progress=not args.no_progress)
     runner = Runner(llm, None if args.no_transformers else load_hf_model(ckpt_path, args.dtype))
-    by_temperature = {t: contenders(args, t) for t in dict.fromkeys(args.temperatures)}
+    histories = seeded_histories(args, llm)
+    by_temperature = {t: contenders(args, t, histories) for t in dict.fromkeys(args.temperatures)}
     warm_up(runner, by_temperature, prompts, args.max_new_tokens)
     records = measure(runner, prompts, by_temperature, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                       seed=args.seed, desc="decode", show_progress=not args.no_progress)
     return llm, by_temperature, records
+
+
+def seeded_histories(args: argparse.Namespace, llm: LLM) -> dict[int, DraftHistory]:
+    """Per history=H of --auto, a DraftHistory holding plain greedy decoding's answers to the H prompts that follow
+    the measured ones in each dataset (never a measured prompt), frozen: the timed runs draft from the same earlier
+    answers in every repeat and order, as a server that has answered H requests of each kind would."""
+    sizes = sorted({fields["history"] for _, fields in filter(None, args.auto) if "history" in fields})
+    if not sizes:
+        return {}
+    texts = load_prompt_texts(args.data_dir, args.datasets, args.n_prompts + sizes[-1])
+    prompts = encode_prompts(llm, {name: items[args.n_prompts:] for name, items in texts.items()},
+                             show_progress=not args.no_progress)
+    histories = {H: DraftHistory() for H in sizes}
+    with progress(sum(map(len, prompts.values())), "history", not args.no_progress) as bar:
+        for items in prompts.values():
+            for i, ids in enumerate(items):
+                answer = llm.generate(ids, max_new_tokens=args.max_new_tokens, temperature=0.0,
+                                      strategy="autoregressive").token_ids
+                for H, history in histories.items():
+                    if i < H:
+                        history.add(answer)
+                bar.update()
+    for history in histories.values():
+        history.frozen = True
+    return histories
 
 
 def run(args: argparse.Namespace, command: str, env: dict) -> dict:

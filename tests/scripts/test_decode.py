@@ -223,3 +223,26 @@ def test_bad_auto_fields_are_one_line_errors(text: str, fact: str, stderr_line) 
     assert decode.main(["--auto", text]) == 2
     line = stderr_line()
     assert line.startswith("error: argument --auto: bad auto setting") and fact in line
+
+
+def test_a_history_row_drafts_from_answers_to_other_prompts_only(tiny_checkpoint: Path, data_dir: Path,
+                                                                 stderr_line) -> None:
+    from minilade import LLM
+
+    args = decode.parse_args(["--ckpt", str(tiny_checkpoint), "--data-dir", str(data_dir), "--datasets", "humaneval",
+                              "gsm8k", "--n-prompts", "1", "--max-new-tokens", "5", "--auto", "2,3,1",
+                              "2,3,1:history=1", "--no-lookahead", "--no-transformers", "--no-progress"])
+    llm = LLM.load(tiny_checkpoint)
+    histories = decode.seeded_histories(args, llm)
+    history = histories[1]
+    assert history.frozen
+    texts = common.load_prompt_texts(data_dir, ["humaneval", "gsm8k"], 2)
+    answers = [llm.generate(ids, max_new_tokens=5, temperature=0.0, strategy="autoregressive").token_ids
+               for ids in (ids for items in common.encode_prompts(llm, texts, False).values() for ids in items[1:])]
+    assert len(history) == sum(map(len, answers))  # the second prompt of each set; the measured first one is not
+    assert history.drafts(answers[0][:1], 4)[0].tokens == tuple(answers[0][1:])
+    rows = decode.contenders(args, 0.0, histories)
+    assert [c.label for c in rows] == [AR, f"{AUTO} (2,3,1)", f"{AUTO} (2,3,1:history=1)"]
+    assert rows[1].strategy.history is None and rows[2].strategy.history is history
+    assert decode.main(["--auto", "7,5,7:history=0"]) == 2
+    assert stderr_line().endswith("history needs a number of prompts >= 1")
