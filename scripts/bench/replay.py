@@ -12,7 +12,8 @@ accepted up to its first token that differs from what the model really emitted n
 from the text alone (suffix drafts, the text's n-gram pool, the auto planner over them) can be replayed exactly
 over saved outputs: per prompt, steps of "draft, accept the longest matching path, emit one more token" until the
 saved output is used up. The lookahead window cannot be replayed (it needs the model's outputs at other
-positions), so replayed compression is what the text sources achieve on their own.
+positions), so replayed compression is what the text sources achieve on their own. auto+history also drafts from
+the other saved outputs of the prompt's dataset (a DraftHistory, leave-one-out): drafts across requests.
 
 Reported per dataset and policy: compression (new tokens per forward pass, the prefill counted, as the decode
 benchmark counts it), mean rows fed per step, and the estimated speedup over plain decoding, over the whole set and
@@ -35,7 +36,8 @@ from typing import Callable, Sequence
 from minilade.decoding import STRATEGIES, Strategy, make_strategy
 from minilade.decoding.auto import PRIORS, Auto, best_plan
 from minilade.decoding.step_costs import StepCosts
-from minilade.drafts.sources import leading_matches, replay_calibration, text_sources
+from minilade.drafts.history import DraftHistory
+from minilade.drafts.sources import history_paths, leading_matches, replay_calibration, text_sources
 from minilade.drafts.suffix import SuffixIndex
 from minilade.drafts.tree import Calibration, DraftPath, DraftTree
 
@@ -57,17 +59,18 @@ MODULE = "scripts.bench.replay"
 DOC_COSTS = {1: 41.11, 2: 41.53, 4: 49.68, 8: 56.60, 12: 63.94, 16: 67.19, 30: 77.39, 32: 83.93, 56: 118.49,
              64: 133.18}
 DEFAULT_POLICIES = ["pool:5,7", "suffix:8,1", "suffix:16,1", "suffix:16,4", "suffix+pool:16,4,5,7",
-                    "auto:16,4,5,7,56", "auto:16,4,5,7,16", "auto:32,4,5,7,56"]
+                    "auto:16,4,5,7,56", "auto:16,4,5,7,16", "auto:32,4,5,7,56", "auto+history:16,4,5,7,56"]
 
 
 # ---- policies --------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Policy:
-    """A named way of drafting: make(prompt) -> a Drafter holding one prompt's drafting state."""
+    """A named way of drafting: make(prompt, history) -> a Drafter holding one prompt's drafting state (history:
+    earlier answers, which only auto+history drafts from)."""
 
     name: str
-    make: Callable[[Sequence[int]], "Drafter"]
+    make: Callable[[Sequence[int], DraftHistory | None], "Drafter"]
 
 
 class Drafter:
@@ -94,8 +97,9 @@ class PlannedDrafter(Drafter):
     """The auto planner without the window: calibrated chances, b chosen under the cost curve and budget."""
 
     def __init__(self, prompt: Sequence[int], ngram: int, guesses: int, suffix: int, branches: int, budget: int,
-                 costs: StepCosts) -> None:
+                 costs: StepCosts, history: DraftHistory | None = None) -> None:
         self.costs, self.budget, self.calibration = costs, budget, Calibration(PRIORS)
+        self.history, self.suffix, self.branches = history, suffix, branches
         index = SuffixIndex()
         start = max(0, len(prompt) - 384)
         index.update(prompt[:start])
@@ -103,7 +107,10 @@ class PlannedDrafter(Drafter):
         replay_calibration(self.calibration, prompt, start, self.paths_for)
 
     def paths(self, text: Sequence[int]) -> list[DraftPath]:
-        tree = DraftTree.merge(self.paths_for(text), self.calibration)
+        paths = self.paths_for(text)
+        if self.history is not None:
+            paths += history_paths(self.history, text, self.suffix, self.branches)
+        tree = DraftTree.merge(paths, self.calibration)
         ranked = tree.ranked()
         _, b, _ = best_plan([tree.chance[i] for i in ranked], self.costs, self.budget)
         return tree.paths(ranked[:b])
@@ -113,27 +120,40 @@ class PlannedDrafter(Drafter):
 
 
 def parse_policy(text: str, costs: StepCosts) -> Policy:
-    """pool:N,G | suffix:L,B | suffix+pool:L,B,N,G | auto:L,B,N,G,BUDGET."""
+    """pool:N,G | suffix:L,B | suffix+pool:L,B,N,G | auto:L,B,N,G,BUDGET | auto+history:L,B,N,G,BUDGET (auto
+    also drafting from the other saved outputs of the prompt's dataset: a DraftHistory, leave-one-out)."""
     kind, _, params = text.partition(":")
     try:
         nums = [int(x) for x in params.split(",")] if params else []
     except ValueError:
         raise UsageError(f"bad policy {text!r}: parameters must be whole numbers") from None
-    shapes = {"pool": 2, "suffix": 2, "suffix+pool": 4, "auto": 5}
+    shapes = {"pool": 2, "suffix": 2, "suffix+pool": 4, "auto": 5, "auto+history": 5}
     if kind not in shapes or len(nums) != shapes[kind] or min(nums) < 1:
-        raise UsageError(f"bad policy {text!r}: expected pool:N,G, suffix:L,B, suffix+pool:L,B,N,G or "
-                         f"auto:L,B,N,G,BUDGET with whole numbers >= 1")
+        raise UsageError(f"bad policy {text!r}: expected pool:N,G, suffix:L,B, suffix+pool:L,B,N,G, "
+                         f"auto:L,B,N,G,BUDGET or auto+history:L,B,N,G,BUDGET with whole numbers >= 1")
     if kind == "pool":
         n, g = nums
-        return Policy(text, lambda prompt: TextDrafter(n, g, 0, 1))
+        return Policy(text, lambda prompt, history: TextDrafter(n, g, 0, 1))
     if kind == "suffix":
         length, branches = nums
-        return Policy(text, lambda prompt: TextDrafter(2, 0, length, branches))
+        return Policy(text, lambda prompt, history: TextDrafter(2, 0, length, branches))
     if kind == "suffix+pool":
         length, branches, n, g = nums
-        return Policy(text, lambda prompt: TextDrafter(n, g, length, branches))
+        return Policy(text, lambda prompt, history: TextDrafter(n, g, length, branches))
     length, branches, n, g, budget = nums
-    return Policy(text, lambda prompt: PlannedDrafter(prompt, n, g, length, branches, budget, costs))
+    with_history = kind == "auto+history"
+    return Policy(text, lambda prompt, history: PlannedDrafter(prompt, n, g, length, branches, budget, costs,
+                                                               history if with_history else None))
+
+
+def other_outputs(records: Sequence[dict], record: dict) -> DraftHistory:
+    """A frozen history of the saved outputs of record's dataset other than its own (a server that answered them)."""
+    history = DraftHistory()
+    for r in records:
+        if r["dataset"] == record["dataset"] and r is not record:
+            history.add(r["output"])
+    history.frozen = True
+    return history
 
 
 # ---- the replay ------------------------------------------------------------------------------------------------
@@ -210,7 +230,7 @@ def rank(args: argparse.Namespace, command: str) -> int:
         for policy in policies:
             total, ratios = Replayed(), []
             for r, ar in zip(mine, ar_ms):
-                done = replay(policy.make(r["prompt"]), r["prompt"], r["output"], costs)
+                done = replay(policy.make(r["prompt"], other_outputs(mine, r)), r["prompt"], r["output"], costs)
                 total.add(done)
                 ratios.append(ar / done.cost_ms if done.cost_ms else 1.0)
             steps = total.passes - 1

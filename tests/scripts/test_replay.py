@@ -16,17 +16,29 @@ COSTS = StepCosts({1: 1.0, 64: 2.0})
 
 def test_a_suffix_draft_is_accepted_up_to_its_first_wrong_token() -> None:
     # The prefill emits 1; "1" occurred at the start, followed by 2 3 4: drafted, and right up to the 9.
-    done = replay.replay(replay.parse_policy("suffix:4,1", COSTS).make([1, 2, 3, 4]), [1, 2, 3, 4], [1, 2, 3, 4, 9],
-                         COSTS)
+    policy = replay.parse_policy("suffix:4,1", COSTS)
+    done = replay.replay(policy.make([1, 2, 3, 4], None), [1, 2, 3, 4], [1, 2, 3, 4, 9], COSTS)
     assert (done.new_tokens, done.passes, done.rows) == (5, 2, 1 + 4)
 
 
 def test_a_policy_that_drafts_nothing_replays_plain_decoding() -> None:
-    done = replay.replay(replay.parse_policy("pool:3,2", COSTS).make([5, 6]), [5, 6], [7, 8, 9], COSTS)
+    done = replay.replay(replay.parse_policy("pool:3,2", COSTS).make([5, 6], None), [5, 6], [7, 8, 9], COSTS)
     assert (done.passes, done.rows) == (3, 2)
 
 
-@pytest.mark.parametrize("text", ["suffix:4", "pool:a,b", "nope:1,2", "auto:1,1,1,1,0"])
+def test_auto_with_history_drafts_from_the_other_outputs_of_the_set_only() -> None:
+    records = [dict(dataset="a", prompt=[1], output=[5, 6, 7, 8, 9, 10]), dict(dataset="a", prompt=[2], output=[3]),
+               dict(dataset="a", prompt=[3], output=[5, 6, 7, 8, 9, 11]), dict(dataset="b", prompt=[3], output=[4])]
+    history = replay.other_outputs(records, records[2])
+    assert history.frozen and len(history) == 7  # the set's other outputs, never the record's own
+    assert len(replay.other_outputs(records, records[3])) == 0  # nor another set's
+    flat = StepCosts({1: 1.0, 64: 1.0})
+    plain, drafted = (replay.replay(replay.parse_policy(f"{kind}:8,1,3,1,16", flat).make([3], history), [3],
+                                    records[2]["output"], flat) for kind in ("auto", "auto+history"))
+    assert plain.passes == 6 and drafted.passes < plain.passes  # after 5, the first answer drafts 6 7 8 9
+
+
+@pytest.mark.parametrize("text", ["suffix:4", "pool:a,b", "nope:1,2", "auto:1,1,1,1,0", "auto+history:1,1"])
 def test_bad_policies_are_refused_in_one_line(text: str) -> None:
     with pytest.raises(UsageError, match="bad policy"):
         replay.parse_policy(text, COSTS)
