@@ -35,15 +35,15 @@ def test_no_key_spans_two_answers() -> None:
 
 
 def test_the_oldest_answers_go_first_and_frozen_keeps_it_as_it_is() -> None:
-    history = DraftHistory(capacity=6, max_key=2)
+    history = DraftHistory(capacity=8, max_key=2)
     history.add([1, 2, 3])
     history.add([4, 5, 6])
-    history.add([7, 8])  # 8 tokens > 6: [1 2 3] goes
-    assert len(history) == 5 and history.drafts([0, 1], 3) == [] and history.drafts([4], 3) == [
+    history.add([7, 8, 9])  # 9 tokens > 8: the oldest answers go, down to 3/4 of the capacity
+    assert len(history) == 6 and history.drafts([0, 1], 3) == [] and history.drafts([4], 3) == [
         SuffixDraft((5, 6), 1, 0)]
     history.frozen = True
     history.add([1, 2, 3])
-    assert len(history) == 5
+    assert len(history) == 6
     with pytest.raises(ValueError, match="history capacity must be a whole number of tokens >= 1"):
         DraftHistory(capacity=0)
     with pytest.raises(ValueError, match="history must be a DraftHistory"):
