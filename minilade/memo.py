@@ -1,14 +1,18 @@
 """Small JSON tables kept per machine between runs (measured step costs, what the invariance check found).
 
-A table maps a key (the model's shape, dtype, device, torch build) to what was measured for it. A file that
+A table maps a key (the model's shape, dtype, device, processor, torch build) to what was measured for it. A file that
 cannot be written only costs a new measurement next time; a file that is not such a table is never overwritten.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import platform
 from pathlib import Path
 from typing import Any
+
+SIMD_FLAG_PREFIXES = ("avx", "amx")  # the CPU flags that decide which matmul kernels torch can use
 
 
 def read_table(path: str | Path) -> dict[str, Any] | None:
@@ -35,3 +39,30 @@ def write_entry(path: str | Path, key: str, value: Any) -> None:
         tmp.replace(path)
     except OSError:
         pass  # a table that cannot be written only costs a new measurement next time
+
+
+def cpu_fields() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return fields
+    for line in itertools.takewhile(str.strip, lines):
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def simd_flags(flags: str) -> list[str]:
+    """The SIMD flags (avx*, amx*) among a space-separated flag list, sorted."""
+    return sorted(f for f in flags.split() if f.startswith(SIMD_FLAG_PREFIXES))
+
+
+def processor() -> str:
+    """The processor a CPU figure was measured on: its model name and SIMD flags. Part of every kept table's key:
+    a home folder can outlive its machine (and a virtual machine can move to another CPU model), and a processor
+    with other SIMD units runs other kernels, with other costs and other rounding."""
+    fields = cpu_fields()
+    flags = simd_flags(fields.get("flags", ""))
+    return f"{fields.get('model name') or platform.processor() or 'unknown'} [{' '.join(flags) or 'no avx/amx'}]"

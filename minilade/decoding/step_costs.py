@@ -11,7 +11,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..masks import interleaved_step
-from ..memo import read_table, write_entry
+from ..memo import processor, read_table, write_entry
 from ..model import Transformer
 from ..parallel.layers import from_rank0, is_leader
 from ..quant import quantization
@@ -92,10 +92,11 @@ def step_costs_for(model: Transformer, sizes: Sequence[int], cost_file: str | Pa
 
 
 def cost_key(model: Transformer) -> str:
-    """What the cost of a step depends on: the model's shape, dtype, quantized layers, device and the torch build.
+    """What the cost of a step depends on: the model's shape, dtype, quantized layers, device (the processor, on the
+    CPU) and the torch build.
     (device.make_invariant keeps its verdicts under the same key: they depend on the same things.)"""
     c = model.config
-    device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else "cpu"
+    device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else f"cpu {processor()}"
     quantized = quantization(model)
     return (f"L{c.n_layers}-d{c.dim}-h{c.n_heads}/{c.n_kv_heads}-ff{c.intermediate_size}-v{c.vocab_size}|"
             f"{model.dtype}{f' ({quantized})' if quantized else ''}|{device}|threads {torch.get_num_threads()}|"

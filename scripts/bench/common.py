@@ -31,13 +31,13 @@ from minilade.errors import (
     one_line,
 )
 from minilade.masks import LookaheadLayout
+from minilade.memo import cpu_fields, simd_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_DIR = (REPO_ROOT / ".." / "shared" / "data").resolve()  # never copied into the project
 DEFAULT_OUT_DIR = REPO_ROOT / "bench_out"
 EXIT_USAGE = 2
 CPU_DTYPES = ("float32", "bfloat16")  # the jobs run on the CPU, where minilade has no float16
-SIMD_FLAG_PREFIXES = ("avx", "amx")  # the CPU flags that decide which matmul kernels torch can use
 
 Setting = tuple[int, int, int]  # lookahead (W, N, G)
 
@@ -279,23 +279,6 @@ def describe_machine(env: dict) -> str:
     return (f"machine: {env['cores']} cores, torch threads {env['threads']}, load average "
             f"{fmt(env['load_average_1m_start'], '.2f')} at start (other work on the machine skews absolute figures, "
             f"less so the ratios)\ncpu: {env['cpu']}; flags: {' '.join(env['cpu_flags']) or 'none of avx*, amx*'}")
-
-
-def cpu_fields() -> dict[str, str]:
-    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
-    fields: dict[str, str] = {}
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return fields
-    for line in itertools.takewhile(str.strip, lines):
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
-    return fields
-
-
-def simd_flags(flags: str) -> list[str]:
-    return sorted(f for f in flags.split() if f.startswith(SIMD_FLAG_PREFIXES))
 
 
 def load_average() -> float | None:

@@ -23,17 +23,13 @@ import torch
 
 from minilade import LLM
 from minilade.checkpoints import DEFAULT_CHECKPOINT
+from minilade.memo import cpu_fields, simd_flags
 from minilade.model import Transformer
 
 
 def cpu_flags() -> str:
     """The SIMD flags of the first processor in /proc/cpuinfo (empty elsewhere)."""
-    try:
-        lines = open("/proc/cpuinfo").read().splitlines()
-    except OSError:
-        return ""
-    flags = next((line.partition(":")[2].split() for line in lines if line.startswith("flags")), [])
-    return " ".join(sorted(f for f in flags if f.startswith(("avx", "amx"))))
+    return " ".join(simd_flags(cpu_fields().get("flags", "")))
 
 
 def step_parser(description: str, steps: int) -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import minilade.decoding.step_costs as step_costs
+import minilade.memo as memo
 from minilade.decoding import Autoregressive
 from minilade.decoding.auto import Auto, best_plan
 from minilade.decoding.step_costs import StepCosts, step_costs_for
@@ -121,6 +122,25 @@ def test_a_cost_file_with_bad_entries_is_measured_again(monkeypatch, tmp_path) -
                         lambda model, sizes, **kw: measured.extend(sizes) or {T: 0.01 * T for T in sizes})
     costs = step_costs_for(model, [1, 4, 9, 16], cost_file)
     assert sorted(measured) == [1, 4, 9] and costs(16) == 0.5 and costs(4) == 0.04
+
+
+def test_kept_step_costs_and_verdicts_belong_to_one_processor(monkeypatch, tmp_path) -> None:
+    """A weights folder outlives its machine (and a virtual machine moves between CPU models): figures measured on
+    a processor with other SIMD units, which runs other kernels, must be measured again, not reused."""
+    model = tiny_model(vocab=12, seed=1)
+    monkeypatch.setattr(memo, "cpu_fields", lambda: {"model name": "AMD EPYC", "flags": "fpu sse2 avx avx2 fma"})
+    zen3 = step_costs.cost_key(model)
+    assert "cpu AMD EPYC [avx avx2]" in zen3
+    cost_file = tmp_path / "costs.json"
+    cost_file.write_text(json.dumps({zen3: {"1": 0.01, "4": 0.02}}))
+    monkeypatch.setattr(memo, "cpu_fields", lambda: {"model name": "AMD EPYC", "flags": "avx avx2 avx512f avx512_bf16"})
+    assert step_costs.cost_key(model) != zen3
+    measured = []
+    monkeypatch.setattr(step_costs, "measure_step_costs",
+                        lambda model, sizes, **kw: measured.extend(sizes) or {T: 0.5 * T for T in sizes})
+    assert step_costs_for(model, [1, 4], cost_file)(4) == 2.0 and sorted(measured) == [1, 4]
+    monkeypatch.setattr(memo, "cpu_fields", dict)  # no /proc/cpuinfo: still a key, never a crash
+    assert "cpu " in step_costs.cost_key(model)
 
 
 def test_a_quantized_model_keeps_its_own_step_costs_and_invariance_verdict(monkeypatch, tmp_path) -> None:
