@@ -213,17 +213,29 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def find_tiling(weight: torch.Tensor, packed: bool, seed: int = 0) -> RowTiling | None:
-    """The first tiling under which every row of random inputs comes out bitwise the same whatever the call's
-    row count and the row's place in it (PROBE_ROWS counts at several offsets), or None."""
+    """The first tiling under which every row comes out bitwise the same whatever the call's row count and the
+    row's place in it (PROBE_ROWS counts at several offsets, then every row of the probe alone), or None.
+
+    The probe multiplies random inputs by a random weight of `weight`'s shape and dtype, not by `weight` itself:
+    the kernel a call takes depends on shape, dtype and layout, not on values, and real values can hide a change
+    of summation order (zeros; dequantized codes whose products add up exactly). The inputs are normal numbers
+    scaled by powers of two from 2^-6 to 2^6, so that partial sums round differently in any other order. In
+    bfloat16 the sums are rounded to 8 bits on the way out, which hides most of an order's difference: a probe
+    with the real weight and unscaled inputs passed a one-row kernel of a bfloat16 model that rounded rows of
+    the real model differently (AVX512-BF16 CPU, measured)."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(2 * max(PROBE_ROWS), weight.shape[1], generator=gen).to(weight.dtype, copy=True)
-    kernel = linear_kernel(weight, None, prepack(weight) if packed else None)
+    probe_weight = torch.randn(weight.shape, generator=gen).to(weight.dtype)
+    x = torch.randn(2 * max(PROBE_ROWS), weight.shape[1], generator=gen)
+    x = (x * torch.exp2(torch.randint(-6, 7, x.shape, generator=gen).float())).to(weight.dtype)
+    kernel = linear_kernel(probe_weight, None, prepack(probe_weight) if packed else None)
     with torch.inference_mode():
         for tiling in TILINGS:
             tiling = RowTiling(tiling.rows, tiling.split, packed)
             whole = tiled_matmul(x, kernel, tiling)
-            if all(torch.equal(tiled_matmul(x[at:at + M], kernel, tiling), whole[at:at + M])
-                   for M in PROBE_ROWS for at in (0, M)):
+            if (all(torch.equal(tiled_matmul(x[at:at + M], kernel, tiling), whole[at:at + M])
+                    for M in PROBE_ROWS for at in (0, M))
+                    and all(torch.equal(tiled_matmul(x[r:r + 1], kernel, tiling), whole[r:r + 1])
+                            for r in range(x.shape[0]))):
                 return tiling
     return None
 

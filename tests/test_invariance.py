@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import minilade.invariance as invariance
 from minilade.config import ModelConfig
 from minilade.decoding import Autoregressive
 from minilade.decoding.lookahead import Lookahead
@@ -12,6 +13,7 @@ from minilade.device import Invariance, check_invariance, make_invariant
 from minilade.invariance import (
     RowTiledLinear,
     RowTiling,
+    find_tiling,
     invariant_attention,
     key_layout,
     pad_keys_values,
@@ -115,6 +117,21 @@ def test_split_tiles_give_the_rows_of_one_tile() -> None:
     calls.clear()
     tiled_matmul(x[:, :1], kernel, RowTiling(8))
     assert calls == [8]
+
+
+def test_find_tiling_probes_a_random_weight_not_the_real_one(monkeypatch) -> None:
+    """A kernel that rounds one-row calls its own way must be caught even where the model's real weight would hide
+    it (here: all zeros, whose products add up exactly in any order). Seen on an AVX512-BF16 CPU: bfloat16's
+    one-row kernel passed a probe with the real weight and then rounded rows of the real model differently."""
+
+    def kernel_for(weight: torch.Tensor, bias, packed):
+        def kernel(x: torch.Tensor) -> torch.Tensor:
+            exact = x.double() @ weight.double().T
+            return (exact * (1 + 2.0 ** -10) if x.shape[0] == 1 else exact).to(x.dtype)  # one row: other rounding
+        return kernel
+
+    monkeypatch.setattr(invariance, "linear_kernel", kernel_for)
+    assert find_tiling(torch.zeros(48, 32, dtype=torch.bfloat16), packed=False) == RowTiling(2)
 
 
 def test_make_invariant_keeps_its_findings_in_a_file(tmp_path, monkeypatch) -> None:
