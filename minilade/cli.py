@@ -19,7 +19,7 @@ from .checkpoints.support import describe_support
 from .decoding import STRATEGIES, GenerationSettings, make_strategy
 from .errors import CheckpointError, TokenizerError, UnsupportedModelError
 from .llm import LLM, Generation, TextStream
-from .parallel import launched_with_ranks, quiet_unless_leader, read_on_leader, shutdown
+from .parallel import end_failed_run, launched_with_ranks, quiet_unless_leader, read_on_leader, shutdown
 from .quant import check_options
 from .sampling import SamplingParams
 
@@ -210,10 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutdown(finished=True)
     except (ValueError, CheckpointError, TokenizerError, UnsupportedModelError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return end_failed_run(EXIT_USAGE)
     except KeyboardInterrupt:
         print("", file=sys.stderr)
-        return 130
+        return end_failed_run(130)
     finally:
         shutdown()
     return 0

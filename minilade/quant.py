@@ -37,9 +37,9 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # float32: exact scales, but th
 INT4_OFFSET = 8  # the kernel reads a 4-bit code c in [0, 15] as the signed value c - 8
 INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu packs output rows in blocks of 16
 # Rows packed per call: the packing reads int32 codes, 4 bytes a weight, so a whole matrix at once (a 7B model's
-# output head: 0.5 GB) would dominate peak memory while loading. Row blocks that are multiples of 32 pack
-# independently (measured: concatenated blocks equal the whole matrix packed, bit for bit; blocks of 16 or 48 do
-# not), and tests/test_quant.py checks it.
+# output head: 0.5 GB) would dominate peak memory while loading. Row blocks that are multiples of 64 pack
+# independently (measured: concatenated blocks equal the whole matrix packed, bit for bit; on an AVX2 CPU multiples
+# of 32 do too, on an AVX-512 one blocks of 32, 48 or 96 do not), and tests/test_quant.py checks it.
 PACK_ROWS = 1024
 
 
@@ -296,8 +296,10 @@ def quantize_embedding(model: nn.Module, weight: Int8GroupWeight | None = None, 
 
 
 def pack_int4(codes: torch.Tensor, rows: int = PACK_ROWS) -> torch.Tensor:
-    """codes (N, K) uint8 in [0, 15] -> (N, K / 2) uint8 in the CPU kernel's layout, `rows` rows (a multiple of 32)
+    """codes (N, K) uint8 in [0, 15] -> (N, K / 2) uint8 in the CPU kernel's layout, `rows` rows (a multiple of 64)
     at a time, so that only one block's int32 copy exists at once."""
+    if rows % 64:
+        raise ValueError(f"int4 codes are packed in blocks of a multiple of 64 rows, got {rows}")
     return torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(block.int(), 1)
                       for block in codes.split(rows)])
 

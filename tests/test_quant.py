@@ -75,13 +75,15 @@ def test_kernel_multiplies_by_the_dequantized_weight_bitwise(mode: str) -> None:
     assert torch.equal(layer(torch.eye(128)).T, q.dequantize())
 
 
-@pytest.mark.parametrize("rows", [32, 64, 96])
+@pytest.mark.parametrize("rows", [64, 128, 192])
 def test_int4_packed_in_row_blocks_equals_the_whole_matrix_packed(rows: int) -> None:
     """Packing in blocks (to bound the int32 copy while loading) gives the kernel's layout of the whole matrix;
-    the last block may be a 16-row remainder."""
+    the last block may be a 16-row remainder. (Blocks of 32 or 96 rows do on an AVX2 CPU, not on an AVX-512 one.)"""
     codes = torch.randint(0, 16, (208, 64), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
     whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
     assert torch.equal(pack_int4(codes, rows), whole)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pack_int4(codes, rows - 32)
 
 
 @pytest.mark.parametrize("mode", MODES)

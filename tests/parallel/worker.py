@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from minilade.checkpoints import open_checkpoint
 from minilade.decoding import Auto, Autoregressive, Lookahead
-from minilade.parallel import TensorParallelError, init_tensor_parallel, shutdown
+from minilade.parallel import TensorParallelError, end_failed_run, init_tensor_parallel, shutdown
 from minilade.parallel.load import build_rank_model, checkpoint_parts
 from minilade.parallel.plan import ShardPlan
 from minilade.sampling import SamplingParams
@@ -92,7 +92,7 @@ def main(scenario: str, folder: str, *args: str) -> int:
         torch.save(result, Path(folder) / f"rank{rank}.pt")
     except (TensorParallelError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return end_failed_run(2)
     finally:
         shutdown()
     return 0
