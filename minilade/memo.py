@@ -6,6 +6,7 @@ cannot be written only costs a new measurement next time; a file that is not suc
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import platform
@@ -41,8 +42,10 @@ def write_entry(path: str | Path, key: str, value: Any) -> None:
         pass  # a table that cannot be written only costs a new measurement next time
 
 
+@functools.cache
 def cpu_fields() -> dict[str, str]:
-    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
+    """The first processor's fields in /proc/cpuinfo (empty where there is none); read once per process (every
+    generation's step costs are looked up under a key that names the processor). Not to be modified."""
     fields: dict[str, str] = {}
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
