@@ -115,7 +115,7 @@ def shutdown(finished: bool = False) -> None:
     exception"). After a failure there is no barrier: it could wait for a rank that never comes."""
     if dist.is_initialized():
         if finished:
-            dist.barrier()
+            collective("waiting for the other ranks to finish", dist.barrier)
         dist.destroy_process_group()
 
 

@@ -90,6 +90,7 @@ def main(scenario: str, folder: str, *args: str) -> int:
     try:
         result = SCENARIOS[scenario](folder, *args)
         torch.save(result, Path(folder) / f"rank{rank}.pt")
+        shutdown(finished=True)
     except (TensorParallelError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return end_failed_run(2)
