@@ -28,6 +28,10 @@ KEY_CHUNK = 64  # keys per chunk of attention's reduction; the k-th key a row se
 # the machine it runs on).
 ROW_TILE = 4
 COL_TILE = 16
+LOG2_E = 1.4426950408889634  # attention's scores are scaled by it and exponentiated in base 2
+# Raised whenever the step's kernels change (how they round, or what they cost): what a machine keeps about them
+# (step costs, invariance verdicts: decoding/step_costs.cost_key) is then measured again. 2: base-2 softmax.
+KERNELS_VERSION = 2
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -62,7 +66,9 @@ class KeyLayout:
     """What every layer's attention in one step shares: which keys each row sees and which chunk each falls in.
 
     Rows are the step's T query rows for each of the G query heads of a key head, G*T, padded to `rows`; keys are
-    the cache and the step, S = past + T, padded to `keys`. hidden: (rows, keys) bool. A row counts the keys of its
+    the cache and the step, S = past + T, padded to `keys`. hidden: (rows, keys) in attention's work dtype, -inf
+    where a row does not see a key and 0 where it does (added to the scores: far cheaper than masked_fill on a
+    CPU, and the same bits, since score + 0 == score). A row counts the keys of its
     own sequence (the committed cache and the step rows its mask allows), in slot order; the k-th falls in chunk
     k // chunk. It sees those a sliding window leaves (all, without one): a counted key it does not see weighs 0 in
     its chunk, so the chunks are the same in a wide step and in a one-row step at the row's position. The first
@@ -100,15 +106,16 @@ def key_layout(visible: torch.Tensor, past: int, G: int, dtype: torch.dtype, chu
         return F.pad(torch.cat([keys, keys[:1].expand(R - G * T, S)]), (0, Sp - S))
 
     seen = per_row(visible)
+    hidden = torch.zeros(seen.shape, dtype=work_dtype(dtype), device=seen.device).masked_fill_(~seen, -torch.inf)
     if prefix:
-        return KeyLayout(past, T, R, Sp, Sp // chunk, chunk, ~seen, None)
+        return KeyLayout(past, T, R, Sp, Sp // chunk, chunk, hidden, None)
     n_shared = past // chunk
     tail_seen = seen[:, n_shared * chunk:]
     tail_counted = tail_seen if counted is None else per_row(counted)[:, n_shared * chunk:]
     tail_chunk = (tail_counted.cumsum(-1) - 1).div_(chunk, rounding_mode="floor").masked_fill_(~tail_seen, -1)
     n_tail = int(tail_chunk.max()) + 1
     select = tail_chunk == torch.arange(n_tail, device=visible.device)[:, None, None]
-    return KeyLayout(past, T, R, Sp, n_shared, chunk, ~seen, select.to(work_dtype(dtype)))
+    return KeyLayout(past, T, R, Sp, n_shared, chunk, hidden, select.to(work_dtype(dtype)))
 
 
 def value_columns(D: int) -> int:
@@ -144,10 +151,12 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     Hkv = keys.shape[1]
     G, R, C = H // Hkv, layout.rows, layout.chunk
     work = work_dtype(q.dtype)
-    qs = F.pad(q.reshape(B, Hkv, G * T, D).to(work) * D ** -0.5, (0, 0, 0, R - G * T))  # heads under their key head
+    # Heads under their key head; scores in base 2 (log2(e) folded into the scale): exp2 costs a quarter of exp on
+    # a CPU (torch 2.13, measured) and softmax is the same function in either base.
+    qs = F.pad(q.reshape(B, Hkv, G * T, D).to(work) * (D ** -0.5 * LOG2_E), (0, 0, 0, R - G * T))
     k, v1 = keys.to(work), values.to(work)  # no copy when the cache keeps the work dtype
-    scores = (qs @ k.transpose(-1, -2)).masked_fill_(layout.hidden, float("-inf"))  # (B, Hkv, R, keys)
-    weights = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # in place; exactly 0 where hidden
+    scores = (qs @ k.transpose(-1, -2)).add_(layout.hidden)  # (B, Hkv, R, keys)
+    weights = scores.sub_(scores.amax(-1, keepdim=True)).exp2_()  # in place; exactly 0 where hidden
 
     n, L0 = layout.n_shared, layout.n_shared * C
     w = weights[..., :L0].unflatten(-1, (n, C)).transpose(2, 3)  # (B, Hkv, n, R, C)

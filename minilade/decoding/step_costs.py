@@ -10,6 +10,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from ..invariance import KERNELS_VERSION
 from ..masks import interleaved_step
 from ..memo import processor, read_table, write_entry
 from ..model import Transformer
@@ -93,14 +94,14 @@ def step_costs_for(model: Transformer, sizes: Sequence[int], cost_file: str | Pa
 
 def cost_key(model: Transformer) -> str:
     """What the cost of a step depends on: the model's shape, dtype, quantized layers, device (the processor, on the
-    CPU) and the torch build.
+    CPU), the torch build and the version of minilade's step kernels.
     (device.make_invariant keeps its verdicts under the same key: they depend on the same things.)"""
     c = model.config
     device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else f"cpu {processor()}"
     quantized = quantization(model)
     return (f"L{c.n_layers}-d{c.dim}-h{c.n_heads}/{c.n_kv_heads}-ff{c.intermediate_size}-v{c.vocab_size}|"
             f"{model.dtype}{f' ({quantized})' if quantized else ''}|{device}|threads {torch.get_num_threads()}|"
-            f"torch {torch.__version__}|lookahead mask")
+            f"torch {torch.__version__}|lookahead mask|kernels {KERNELS_VERSION}")
 
 
 def _read_costs(path: Path) -> dict[str, dict[int, float]] | None:
