@@ -68,11 +68,11 @@ class KeyLayout:
     Rows are the step's T query rows for each of the G query heads of a key head, G*T, padded to `rows`; keys are
     the cache and the step, S = past + T, padded to `keys`. hidden: (rows, keys) in attention's work dtype, -inf
     where a row does not see a key and 0 where it does (added to the scores: far cheaper than masked_fill on a
-    CPU, and the same bits, since score + 0 == score). A row counts the keys of its
-    own sequence (the committed cache and the step rows its mask allows), in slot order; the k-th falls in chunk
-    k // chunk. It sees those a sliding window leaves (all, without one): a counted key it does not see weighs 0 in
-    its chunk, so the chunks are the same in a wide step and in a one-row step at the row's position. The first
-    n_shared chunks are cut by slot: a row counts either all of a shared chunk's keys or, past its own end, none.
+    CPU, and the same bits, since score + 0 == score). A row counts the keys of its own sequence (the committed
+    cache and the step rows its mask allows), in slot order; the k-th falls in chunk k // chunk. It sees those a
+    sliding window leaves (all, without one): a counted key it does not see weighs 0 in its chunk, so the chunks
+    are the same in a wide step and in a one-row step at the row's position. The first n_shared chunks are cut
+    by slot: a row counts either all of a shared chunk's keys or, past its own end, none.
     tail_select: None when every row counts a prefix of the slots (a causal step: slot order is counting order,
     every chunk is shared); else (n_tail, rows, keys - L0), 1 where a row sees a key of the tail [L0, keys) that
     falls in its tail chunk j, L0 = n_shared * chunk (a lookahead step, whose rows skip keys).
