@@ -66,7 +66,7 @@ class KeyLayout:
     """What every layer's attention in one step shares: which keys each row sees and which chunk each falls in.
 
     Rows are the step's T query rows for each of the G query heads of a key head, G*T, padded to `rows`; keys are
-    the cache and the step, S = past + T, padded to `keys`. hidden: (rows, keys) in attention's work dtype, -inf
+    the cache and the step, S = past + T, padded to `keys`. key_bias: (rows, keys) in attention's work dtype, -inf
     where a row does not see a key and 0 where it does (added to the scores: far cheaper than masked_fill on a
     CPU, and the same bits, since score + 0 == score). A row counts the keys of its own sequence (the committed
     cache and the step rows its mask allows), in slot order; the k-th falls in chunk k // chunk. It sees those a
@@ -84,7 +84,7 @@ class KeyLayout:
     keys: int
     n_shared: int
     chunk: int
-    hidden: torch.Tensor
+    key_bias: torch.Tensor
     tail_select: torch.Tensor | None
 
 
@@ -106,16 +106,16 @@ def key_layout(visible: torch.Tensor, past: int, G: int, dtype: torch.dtype, chu
         return F.pad(torch.cat([keys, keys[:1].expand(R - G * T, S)]), (0, Sp - S))
 
     seen = per_row(visible)
-    hidden = torch.zeros(seen.shape, dtype=work_dtype(dtype), device=seen.device).masked_fill_(~seen, -torch.inf)
+    key_bias = torch.zeros(seen.shape, dtype=work_dtype(dtype), device=seen.device).masked_fill_(~seen, -torch.inf)
     if prefix:
-        return KeyLayout(past, T, R, Sp, Sp // chunk, chunk, hidden, None)
+        return KeyLayout(past, T, R, Sp, Sp // chunk, chunk, key_bias, None)
     n_shared = past // chunk
     tail_seen = seen[:, n_shared * chunk:]
     tail_counted = tail_seen if counted is None else per_row(counted)[:, n_shared * chunk:]
     tail_chunk = (tail_counted.cumsum(-1) - 1).div_(chunk, rounding_mode="floor").masked_fill_(~tail_seen, -1)
     n_tail = int(tail_chunk.max()) + 1
     select = tail_chunk == torch.arange(n_tail, device=visible.device)[:, None, None]
-    return KeyLayout(past, T, R, Sp, n_shared, chunk, hidden, select.to(work_dtype(dtype)))
+    return KeyLayout(past, T, R, Sp, n_shared, chunk, key_bias, select.to(work_dtype(dtype)))
 
 
 def value_columns(D: int) -> int:
@@ -155,7 +155,7 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     # a CPU (torch 2.13, measured) and softmax is the same function in either base.
     qs = F.pad(q.reshape(B, Hkv, G * T, D).to(work) * (D ** -0.5 * LOG2_E), (0, 0, 0, R - G * T))
     k, v1 = keys.to(work), values.to(work)  # no copy when the cache keeps the work dtype
-    scores = (qs @ k.transpose(-1, -2)).add_(layout.hidden)  # (B, Hkv, R, keys)
+    scores = (qs @ k.transpose(-1, -2)).add_(layout.key_bias)  # (B, Hkv, R, keys)
     weights = scores.sub_(scores.amax(-1, keepdim=True)).exp2_()  # in place; exactly 0 where hidden
 
     n, L0 = layout.n_shared, layout.n_shared * C
