@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from minilade import LLM
 from minilade.checkpoints import DEFAULT_CHECKPOINT
+from minilade.config import PRESETS, ModelConfig
 from minilade.errors import (
     CheckpointError,
     TokenizerError,
@@ -152,6 +153,24 @@ def add_timed_options(p: argparse.ArgumentParser, quick_defaults: dict) -> None:
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     p.add_argument("--quick", action="store_true",
                    help="smoke-test defaults: " + ", ".join(f"{k}={v}" for k, v in quick_defaults.items()))
+
+
+def add_random_model_options(p: argparse.ArgumentParser, out_dir: Path) -> None:
+    """The options of the jobs that time a model of a preset's shape with random weights (invariance_cost,
+    row_cost)."""
+    p.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS), help="the model's shape")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the random weights and inputs")
+    p.add_argument("--out-dir", type=Path, default=out_dir)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def preset_fitting(name: str, positions: int) -> ModelConfig:
+    """The preset's configuration, or a UsageError if a run needs more than its `positions`."""
+    config = ModelConfig.preset(name)
+    if positions > config.max_seq_len:
+        raise UsageError(f"context and rows need {positions} positions; the {name} shape has {config.max_seq_len}")
+    return config
 
 
 def parse_with_quick(parser: argparse.ArgumentParser, argv: Sequence[str], quick_defaults: dict) -> argparse.Namespace:

@@ -22,7 +22,6 @@ from typing import Sequence
 
 import torch
 
-from minilade.config import ModelConfig
 from minilade.device import make_invariant
 from minilade.masks import interleaved_step
 from minilade.model import Transformer
@@ -31,9 +30,11 @@ from .common import (
     CPU_DTYPES,
     DEFAULT_OUT_DIR,
     JobParser,
+    add_random_model_options,
     begin_timed_run,
     command_line,
     positive_int,
+    preset_fitting,
     progress,
     run_job,
     write_json,
@@ -101,18 +102,14 @@ def plot(table: dict[str, list[dict]], path: Path) -> None:
 
 def job(argv: list[str]) -> int:
     p = JobParser(MODULE, __doc__)
-    p.add_argument("--preset", default="smollm2-135m")
     p.add_argument("--dtypes", nargs="+", choices=CPU_DTYPES, default=list(CPU_DTYPES))
     p.add_argument("--contexts", nargs="+", type=positive_int, default=[128, 512])
     p.add_argument("--rows", nargs="+", type=positive_int, default=[1, 4, 16, 32, 64])
     p.add_argument("--repeats", type=positive_int, default=5)
-    p.add_argument("--threads", type=positive_int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR / "invariance_cost")
-    p.add_argument("--no-progress", action="store_true")
+    add_random_model_options(p, DEFAULT_OUT_DIR / "invariance_cost")
     args = p.parse_args(argv)
     env = begin_timed_run(command_line(MODULE, argv), args.threads)
-    config = ModelConfig.preset(args.preset)
+    config = preset_fitting(args.preset, max(args.contexts) + max(args.rows))
     table, verdicts = {}, {}
     for dtype in args.dtypes:
         stock = Transformer(config).init_random(seed=args.seed).to(getattr(torch, dtype)).eval()
