@@ -19,7 +19,9 @@ Reported per dataset and policy: compression (new tokens per forward pass, the p
 benchmark counts it), mean rows fed per step, and the estimated speedup over plain decoding, over the whole set and
 as the median over prompts of the per-prompt ratio (the decode benchmark's figure), with the step-cost curve given
 by --costs (ms per pass for some row counts, interpolated; default: the curve in docs/benchmarks.md,
-measured on the project's 2-core machine).
+measured on the project's 2-core machine). With --per-prompt, also every prompt's compression and estimated
+speedup, slowest first: which prompts hold a set's median down, and what they would give under another curve (a
+flat one, {"1": 1, "128": 1}: rows that cost nothing).
 """
 
 from __future__ import annotations
@@ -228,20 +230,35 @@ def rank(args: argparse.Namespace, command: str) -> int:
         mine = [r for r in records if r["dataset"] == name]
         ar_ms = [costs(1) * (len(r["output"]) - 1) for r in mine]
         for policy in policies:
-            total, ratios = Replayed(), []
+            total, prompts = Replayed(), []
             for r, ar in zip(mine, ar_ms):
                 done = replay(policy.make(r["prompt"], other_outputs(mine, r)), r["prompt"], r["output"], costs)
                 total.add(done)
-                ratios.append(ar / done.cost_ms if done.cost_ms else 1.0)
+                prompts.append(dict(index=r["index"], new_tokens=done.new_tokens,
+                                    compression=done.new_tokens / done.passes,
+                                    speedup=ar / done.cost_ms if done.cost_ms else 1.0))
             steps = total.passes - 1
             row = dict(dataset=name, policy=policy.name, compression=total.new_tokens / total.passes,
                        rows_per_step=total.rows / max(steps, 1), speedup=sum(ar_ms) / max(total.cost_ms, 1e-9),
-                       median_speedup=statistics.median(ratios))
+                       median_speedup=statistics.median(p["speedup"] for p in prompts), prompts=prompts)
             results.append(row)
             print(f"| {name} | {policy.name} | {row['compression']:.2f} | {row['rows_per_step']:.1f} | "
                   f"{row['speedup']:.2f} | {row['median_speedup']:.2f} |", flush=True)
+    if args.per_prompt:
+        print_per_prompt(results)
     write_outputs(args, command, results, "policy", "replayed draft policies (greedy, text sources only)")
     return 0
+
+
+def print_per_prompt(results: list[dict]) -> None:
+    """Every prompt's replayed compression and estimated speedup, each dataset's and policy's prompts from the
+    slowest up (the median prompt sits in the middle: where a set's median comes from)."""
+    print("\n| dataset | policy | prompt | new tokens | compression | est. speedup vs AR |\n"
+          "| --- | --- | --- | --- | --- | --- |")
+    for row in results:
+        for p in sorted(row["prompts"], key=lambda p: p["speedup"]):
+            print(f"| {row['dataset']} | {row['policy']} | {p['index']} | {p['new_tokens']} | "
+                  f"{p['compression']:.2f} | {p['speedup']:.2f} |")
 
 
 def write_outputs(args: argparse.Namespace, command: str, results: list[dict], label_key: str, title: str) -> None:
@@ -340,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "curve auto plans with instead of measuring it")
     p.add_argument("--strategies", nargs="+", default=["auto:7,5,7"],
                    help="live: NAME:W,N,G[:field=value,...] (fields of the strategy, e.g. suffix_draft=16)")
+    p.add_argument("--per-prompt", action="store_true",
+                   help="rank: also print every prompt's compression and estimated speedup")
     p.add_argument("--out", type=Path, default=None, help="rank, live: also write the table as JSON")
     p.add_argument("--plot", type=Path, default=None,
                    help="rank, live: also draw the table as a bar chart (PNG; needs matplotlib)")

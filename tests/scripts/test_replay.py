@@ -64,6 +64,28 @@ def test_rank_writes_the_table_and_the_plot(tmp_path: Path, capsys) -> None:
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_per_prompt_rows_list_every_prompt_slowest_first(tmp_path: Path, capsys) -> None:
+    saved = tmp_path / "ar.json"
+    saved.write_text(json.dumps(dict(records=[
+        dict(dataset="humaneval", index=0, prompt=[1, 2, 3, 4], output=[1, 2, 3, 4, 9]),  # drafted: 2 passes
+        dict(dataset="humaneval", index=1, prompt=[5, 6], output=[7, 8, 9])])))  # nothing to draft: 3 passes
+    out = tmp_path / "rank.json"
+    assert replay.main(["rank", "--ar", str(saved), "--policies", "suffix:4,1", "--costs",
+                        str(write_costs(tmp_path)), "--per-prompt", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    slow, fast = "| humaneval | suffix:4,1 | 1 | 3 | 1.00 | 1.00 |", "| humaneval | suffix:4,1 | 0 | 5 | 2.50 | 4.00 |"
+    assert slow in printed and fast in printed and printed.index(slow) < printed.index(fast)
+    row = json.loads(out.read_text())["results"][0]
+    assert [p["index"] for p in row["prompts"]] == [0, 1] and row["median_speedup"] == 2.5
+
+
+def write_costs(folder: Path) -> Path:
+    """A flat step-cost curve: rows cost nothing, so a prompt's estimated speedup is its steps saved."""
+    path = folder / "flat.json"
+    path.write_text(json.dumps({"1": 1.0, "128": 1.0}))
+    return path
+
+
 def test_live_costs_reach_auto_only() -> None:
     flat = StepCosts({1: 1.0, 128: 1.0})
     auto = replay.with_costs(replay.parse_strategy("auto:7,5,7"), flat)
