@@ -268,10 +268,3 @@ def _step_seconds(model: Transformer, check_file: str | Path | None) -> float:
         if check_file is not None:
             write_entry(check_file, key, known)
     return float(known)
-
-
-def pack_linears(model: Transformer) -> Transformer:
-    """Kept for callers of the former prepacking step: now makes the model batch-invariant (make_invariant),
-    which prepacks the weights where that is the faster invariant kernel."""
-    make_invariant(model)
-    return model

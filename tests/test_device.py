@@ -10,7 +10,7 @@ import torch
 import minilade.device as device
 from minilade.decoding import Autoregressive
 from minilade.decoding.lookahead import Lookahead
-from minilade.device import Invariance, choose_dtype, make_invariant, pack_linears, resolve_dtype
+from minilade.device import Invariance, choose_dtype, make_invariant, resolve_dtype
 from minilade.invariance import RowTiledLinear
 from minilade.quant import quantize_linears
 
@@ -40,7 +40,8 @@ def test_make_invariant_times_only_the_float_layers_of_a_quantized_model(monkeyp
 
 
 def test_invariant_lookahead_equals_autoregressive() -> None:
-    model = pack_linears(tiny_model(vocab=12, seed=2))  # the former entry point: now make_invariant
+    model = tiny_model(vocab=12, seed=2)
+    make_invariant(model)
     assert isinstance(model.layers[0].feed_forward.w_down, RowTiledLinear)
     prompt = [1, 2, 3, 1, 2, 3, 4]
     expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=40)
