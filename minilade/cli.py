@@ -13,12 +13,13 @@ import os
 import sys
 from typing import Sequence
 
-from .checkpoints import DEFAULT_CHECKPOINT, default_weights_dir
+from .checkpoints import DEFAULT_CHECKPOINT
 from .checkpoints.generation_config import check_sampling, merge_sampling
 from .checkpoints.support import describe_support
 from .decoding import STRATEGIES, GenerationSettings, make_strategy
 from .errors import CheckpointError, TokenizerError, UnsupportedModelError
 from .llm import LLM, Generation, TextStream
+from .memo import kept_tables_dir
 from .parallel import end_failed_run, launched_with_ranks, quiet_unless_leader, read_on_leader, shutdown
 from .quant import check_options
 from .sampling import SamplingParams
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
     """The generation settings the options ask for, checked before any weights are loaded. Step costs for
-    `auto` are measured once per machine and kept beside the weights."""
+    `auto` are measured once per machine and kept (memo.kept_tables_dir)."""
     drafts = {name: value for name, value in (("suffix_draft", args.suffix_draft),
                                               ("suffix_branches", args.suffix_branches),
                                               ("recycle_topk", args.recycle_topk),
@@ -110,7 +111,7 @@ def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
     strategy = make_strategy(args.strategy, window=args.window, ngram=args.ngram, guesses=args.guesses,
                              compiled=args.compile,
                              pool_from_prompt=not args.no_prompt_pool,
-                             cost_file=str(default_weights_dir() / "step_costs.json"), **drafts)
+                             cost_file=str(kept_tables_dir() / "step_costs.json"), **drafts)
     check_sampling(sampling_options(args))
     return GenerationSettings(strategy, SamplingParams(), args.max_new_tokens, tuple(args.stop))
 
@@ -199,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.quantize is not None:
             check_options(args.quantize, args.group_size)
         llm = LLM.load(args.ckpt, dtype=args.dtype, device=args.device, quantize=args.quantize,
-                       group_size=args.group_size, check_file=default_weights_dir() / "invariance.json",
+                       group_size=args.group_size, check_file=kept_tables_dir() / "invariance.json",
                        tensor_parallel=launched_with_ranks(os.environ))
         settings = with_checkpoint_defaults(llm, args, settings)
         with quiet_unless_leader(llm.model):  # under torchrun, only rank 0 writes

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kept_tables(tmp_path_factory) -> Path:
+    """The folder where the CLI keeps its tables (invariance verdicts, step costs) during the test session, in this
+    process and the CLI processes it starts: one of the session's own, so that the tests' tiny models never land
+    in the checkout's weights/ and no test reads what its user measured there."""
+    folder = tmp_path_factory.mktemp("kept-tables")
+    before = os.environ.get("MINILADE_TABLES")
+    os.environ["MINILADE_TABLES"] = str(folder)
+    yield folder
+    if before is None:
+        del os.environ["MINILADE_TABLES"]
+    else:
+        os.environ["MINILADE_TABLES"] = before
 
 
 @pytest.fixture(scope="session")

@@ -54,6 +54,18 @@ def test_generates_json(tiny_checkpoint: Path) -> None:
     assert stats["forward_passes"] == stats["steps"] + 1 and sum(stats["tokens_per_step"].values()) == stats["steps"]
 
 
+def test_the_cli_keeps_what_it_measured_where_minilade_tables_says(tiny_checkpoint: Path, monkeypatch,
+                                                                   tmp_path: Path) -> None:
+    """A run keeps the invariance verdict and auto's step costs under $MINILADE_TABLES (the session's folder for
+    every other test); a folder of its own here, so that the run must measure and write both."""
+    monkeypatch.setenv("MINILADE_TABLES", str(tmp_path / "tables"))
+    (tmp_path / "tables").mkdir()
+    assert main(["a b", "--ckpt", str(tiny_checkpoint), "--max-new-tokens", "3"]) == 0
+    for name in ("invariance.json", "step_costs.json"):
+        table = json.loads((tmp_path / "tables" / name).read_text())
+        assert table and all(key.startswith("L2-") for key in table), table  # the tiny model's shape, measured
+
+
 def test_prompt_from_stdin_and_stats_on_stderr(tiny_checkpoint: Path) -> None:
     result = run_cli("--ckpt", str(tiny_checkpoint), "--max-new-tokens", "4", stdin="a b c")
     assert result.returncode == 0, result.stderr
