@@ -16,7 +16,6 @@ mutation failed, with one line per failure.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import resource
@@ -42,6 +41,8 @@ from minilade.checkpoints.generation_config import FILE as GENERATION_CONFIG
 from minilade.checkpoints.generation_config import read_generation_defaults
 from minilade.checkpoints.names import gguf_name
 from minilade.config import ModelConfig
+
+from .bench.common import JobParser, at_least, positive_int, run_job
 
 TINY = ModelConfig(vocab_size=32, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
                    max_seq_len=64)
@@ -371,11 +372,11 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mutations", type=int, default=1000)
+def job(argv: list[str]) -> int:
+    parser = JobParser("scripts.fuzz_checkpoints", __doc__.splitlines()[0])
+    parser.add_argument("--mutations", type=positive_int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seconds", type=float, default=5.0, help="wall-clock limit of one load")
+    parser.add_argument("--seconds", type=at_least(0.1, float), default=5.0, help="wall-clock limit of one load")
     args = parser.parse_args(argv)
     before = peak_rss_mib()
     start = time.perf_counter()
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         outcomes = run(args.mutations, args.seed, args.seconds, Path(work))
     counts = {kind: sum(o.result == kind for o in outcomes) for kind in ("loaded", "refused", "FAILED")}
     slowest = max(outcomes, key=lambda o: o.seconds)
-    print(f"command: python -m scripts.fuzz_checkpoints {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"command: python -m scripts.fuzz_checkpoints {' '.join(argv)}")
     print(f"{len(outcomes)} mutations in {time.perf_counter() - start:.1f} s: {counts['loaded']} loaded, "
           f"{counts['refused']} refused cleanly, {counts['FAILED']} failed; slowest load {slowest.seconds:.2f} s "
           f"({slowest.mutation}); peak RSS {before:.0f} -> {peak_rss_mib():.0f} MiB")
@@ -391,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
         if outcome.result == "FAILED":
             print(f"FAILED {outcome.mutation}: {outcome.detail}")
     return 1 if counts["FAILED"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_job(job, argv)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch
 from minilade.invariance import KeyLayout, invariant_attention
 from minilade.model import Block, Transformer, apply_rope
 
-from .one_token_step import cpu_flags, load_model, step_parser
+from .one_token_step import cpu_flags, load_model, positive, step_parser
 
 
 def before_attention(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -103,7 +103,7 @@ def compiled(model: Transformer, args: argparse.Namespace, eager_rows: list[torc
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = step_parser(__doc__, steps=30)
-    p.add_argument("--width", type=int, default=8, help="rows of the wide steps checked for invariance")
+    p.add_argument("--width", type=positive, default=8, help="rows of the wide steps checked for invariance")
     args = p.parse_args(argv)
     model, warm = load_model(args), 5
     with torch.inference_mode():

@@ -17,7 +17,7 @@ import json
 import statistics
 import sys
 import time
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 import torch
 
@@ -32,22 +32,46 @@ def cpu_flags() -> str:
     return " ".join(simd_flags(cpu_fields().get("flags", "")))
 
 
-def step_parser(description: str, steps: int) -> argparse.ArgumentParser:
+class StepParser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr and exit status 2, like the jobs of scripts.bench.common (which
+    this file cannot import)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}\n")
+
+
+def positive(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def step_parser(description: str, steps: int) -> StepParser:
     """The options of the jobs that time one-token steps of the real model (this one and compile_regions)."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = StepParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default=DEFAULT_CHECKPOINT)
     p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none")
-    p.add_argument("--context", type=int, default=100)
-    p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--context", type=positive, default=100)
+    p.add_argument("--steps", type=positive, default=steps)
+    p.add_argument("--threads", type=positive, default=2)
     return p
 
 
 def load_model(args: argparse.Namespace) -> Transformer:
-    """The model as LLM.load runs it (float32 around any quantized layers), on args.threads torch threads."""
+    """The model as LLM.load runs it (float32 around any quantized layers), on args.threads torch threads; a
+    checkpoint that is missing, corrupt or unsupported ends the job in one line (exit status 2)."""
     torch.set_num_threads(args.threads)
     quantize = None if args.quantize == "none" else args.quantize
-    return LLM.load(args.ckpt, dtype="float32", quantize=quantize, progress=False).model
+    try:
+        return LLM.load(args.ckpt, dtype="float32", quantize=quantize, progress=False).model
+    except ValueError as e:  # minilade's errors about a checkpoint are ValueErrors (minilade.errors)
+        print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

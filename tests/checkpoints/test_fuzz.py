@@ -54,3 +54,13 @@ def test_unmutated_bases_load(tmp_path: Path) -> None:
     folder = fuzz.write_safetensors(tmp_path / "plain", bases.config, bases.st_bytes)
     assert fuzz.judge("none", gguf_path, 5.0).result == "loaded"
     assert fuzz.judge("none", folder, 5.0).result == "loaded"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mutations", "0"], "argument --mutations: must be >= 1, got 0"),
+    (["--seconds", "0"], "argument --seconds: must be >= 0.1, got 0"),
+])
+def test_bad_options_end_in_one_line(argv: list[str], message: str, capsys) -> None:
+    assert fuzz.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
