@@ -13,6 +13,7 @@ the seed when none is given (`shared_sampling`) and auto's measured step costs (
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
@@ -109,7 +110,7 @@ def shared_sampling(model: nn.Module, params: SamplingParams) -> SamplingParams:
     group = process_group(model)
     if group is None or params.seed is not None or params.greedy:
         return params
-    return SamplingParams(params.temperature, params.top_k, params.top_p, from_leader(random.getrandbits(63), group))
+    return dataclasses.replace(params, seed=from_leader(random.getrandbits(63), group))
 
 
 def read_on_leader(model: nn.Module, read: Callable[[], T]) -> T:

@@ -11,6 +11,11 @@ from minilade.model import Transformer
 PROMPT = [3, 17, 5, 9, 3, 17, 5, 2, 11, 4, 3, 17]
 GEN_PROMPT = [5, 6, 7, 5, 6, 7, 5, 6, 1, 2, 5, 6]
 STEP_COSTS = StepCosts({1: 1.0, 64: 1.2})  # wide steps almost free: auto then drafts and uses the window
+WORDS = "a b c d hello world"  # what the tiny checkpoints' tokenizer is trained on
+TEXT_PROMPT = "hello world a b"
+# Sampling at a temperature so small that it draws the argmax, with every penalty set: the tokens are then penalized
+# greedy decoding's, whatever the seed.
+PENALIZED = dict(temperature=1e-40, repetition_penalty=3.0, presence_penalty=2.0, frequency_penalty=1.0)
 
 
 def lookahead_step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minilade import LLM
 from minilade.checkpoints import open_checkpoint
 from minilade.decoding import Autoregressive, Lookahead
 from minilade.sampling import SamplingParams
-from tests.helpers import run_tokens
+from tests.helpers import run_tokens, write_tiny_checkpoint
 from tests.parallel.ranks import check_ok, results, run_ranks
-from tests.parallel.reference import GEN_PROMPT, lookahead_step, prefill_and_step
+from tests.parallel.reference import GEN_PROMPT, PENALIZED, TEXT_PROMPT, WORDS, lookahead_step, prefill_and_step
 
 
 def whole_model(folder, dtype=torch.float64):
@@ -46,3 +47,16 @@ def test_generation_on_two_ranks_equals_one_process(even_checkpoint, tmp_path):
         assert got["sampled-7"] == sampled
     assert ranks[0]["sampled-None"] == ranks[1]["sampled-None"]  # rank 0's seed, on both
     assert len(set(greedy)) > 3  # not a degenerate repetition
+
+
+def test_unseeded_sampling_on_two_ranks_keeps_the_penalties(tmp_path):
+    """Without a seed the ranks sample with rank 0's, and with every other setting the caller gave: at a temperature
+    that draws the argmax, the tokens are penalized greedy decoding's on every rank."""
+    ckpt = write_tiny_checkpoint(tmp_path, WORDS, max_positions=64)
+    check_ok(run_ranks(2, "llm_penalized", tmp_path, str(ckpt), TEXT_PROMPT))
+    one = LLM.load(ckpt, dtype="float32", device="cpu", progress=False)
+    penalties = {name: value for name, value in PENALIZED.items() if name != "temperature"}
+    want = one.generate(TEXT_PROMPT, max_new_tokens=12, strategy=Autoregressive(), **penalties).token_ids
+    assert want != one.generate(TEXT_PROMPT, max_new_tokens=12, strategy=Autoregressive()).token_ids  # they matter
+    for got in results(tmp_path, 2):
+        assert got == {"autoregressive": want, "lookahead": want}

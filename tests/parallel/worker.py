@@ -18,7 +18,7 @@ from minilade.parallel.load import build_rank_model, checkpoint_parts
 from minilade.parallel.plan import ShardPlan
 from minilade.sampling import SamplingParams
 from tests.helpers import run_tokens
-from tests.parallel.reference import GEN_PROMPT, STEP_COSTS, lookahead_step, prefill_and_step
+from tests.parallel.reference import GEN_PROMPT, PENALIZED, STEP_COSTS, lookahead_step, prefill_and_step
 
 TIMEOUT_S = float(os.environ.get("TEST_TIMEOUT_S", "20"))  # the process group's timeout
 
@@ -61,6 +61,15 @@ def llm(folder: str, ckpt: str, prompt: str) -> dict:
             for name, strategy in (("autoregressive", Autoregressive()), ("lookahead", Lookahead()))}
 
 
+def llm_penalized(folder: str, ckpt: str, prompt: str) -> dict:
+    """Penalized sampling without a seed (reference.PENALIZED) through LLM.load(tensor_parallel=True)."""
+    from minilade import LLM
+
+    model = LLM.load(ckpt, dtype="float32", device="cpu", progress=False, tensor_parallel=True)
+    return {name: model.generate(prompt, max_new_tokens=12, strategy=strategy, **PENALIZED).token_ids
+            for name, strategy in (("autoregressive", Autoregressive()), ("lookahead", Lookahead()))}
+
+
 def llm_per_rank(folder: str, *checkpoints: str) -> dict:
     """LLM.load of checkpoints[rank] (ranks that disagree, or one that cannot open its file)."""
     from minilade import LLM
@@ -80,8 +89,8 @@ def peer_dies(folder: str, ckpt: str) -> dict:
     return {}
 
 
-SCENARIOS = {"logits": logits, "generate": generate, "llm": llm, "llm_per_rank": llm_per_rank,
-             "peer_dies": peer_dies}
+SCENARIOS = {"logits": logits, "generate": generate, "llm": llm, "llm_penalized": llm_penalized,
+             "llm_per_rank": llm_per_rank, "peer_dies": peer_dies}
 
 
 def main(scenario: str, folder: str, *args: str) -> int:
