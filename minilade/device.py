@@ -1,10 +1,10 @@
-"""Device and dtype policy, and making a loaded model batch-invariant (exact lookahead) on the machine it runs on.
+"""Device and dtype policy, and making a loaded model exact (batch-invariant) on the machine it runs on.
 
 Lookahead's output equals plain decoding's only if a token's logits do not depend on the shape of the step that
-computed them. Attention is made so by construction (minilade/invariance.py); weight matmuls depend on the kernel
-the library picks, so `make_invariant` measures, per weight shape, a row tiling under which rows come out the same
-at every row count (`find_tiling`), for the plain kernel and for oneDNN's prepacked one, keeps the faster, and then
-checks the whole model: a token's logits from a one-row step must equal its row in a wide masked step, bitwise
+computed them. `make_exact` installs the attention kernel that is so by construction (minilade/invariance.py);
+weight matmuls depend on the kernel the library picks, so it also measures, per weight shape, a row tiling under
+which rows come out the same at every row count (`find_tiling`), for the plain kernel and for oneDNN's prepacked
+one, keeps the faster, and then checks the whole model: a token's logits from a one-row step must equal its row in a wide masked step, bitwise
 (`check_invariance`). What it found is kept per machine in a small JSON file, like the step costs.
 On CUDA nothing of this is applied: the stock kernels stay (untested here; see docs).
 """
@@ -22,7 +22,15 @@ import torch
 from torch import nn
 
 from .decoding.step_costs import cost_key, measure_step_costs
-from .invariance import RowTiledLinear, RowTiling, find_tiling, linear_kernel, prepack, tiled_matmul
+from .invariance import (
+    RowTiledLinear,
+    RowTiling,
+    apply_exact_attention,
+    find_tiling,
+    linear_kernel,
+    prepack,
+    tiled_matmul,
+)
 from .masks import interleaved_step
 from .memo import read_table, write_entry
 from .model import Transformer
@@ -190,7 +198,7 @@ def _one_row_steps(model: Transformer, prompt: torch.Tensor, chain: torch.Tensor
 
 @dataclass
 class Invariance:
-    """What make_invariant found: the tiling per weight shape, and whether the model passed the check."""
+    """What make_exact found: the tiling per weight shape, and whether the model passed the check."""
 
     exact: bool
     tilings: dict[str, RowTiling]
@@ -204,14 +212,15 @@ class Invariance:
                                         raw["tilings"].items()})
 
 
-def make_invariant(model: Transformer, check_file: str | Path | None = None, *, warn: bool = True
-                   ) -> Invariance:
-    """Give the model's linear layers row tilings under which it passes check_invariance (the faster kernel
-    first), and return what was found; kept in check_file (JSON, per model shape, dtype, machine) when given.
-    If no tiling passes, the model keeps the fastest and, with `warn`, one line on stderr says it is not exact.
-    On CUDA the model is left as it is and reported not exact (not verified there)."""
+def make_exact(model: Transformer, check_file: str | Path | None = None, *, warn: bool = True) -> Invariance:
+    """Make the model's steps batch-invariant: install the exact attention kernel (invariance.ExactAttention) and
+    give the linear layers row tilings under which the model passes check_invariance (the faster kernel first);
+    return what was found, kept in check_file (JSON, per model shape, dtype, machine) when given. If no tiling
+    passes, the model keeps the fastest and, with `warn`, one line on stderr says it is not exact.
+    On CUDA the model is left as it is, with its stock kernels, and reported not exact (not verified there)."""
     if model.device.type != "cpu":
         return Invariance(False, {})
+    apply_exact_attention(model)
     key = cost_key(model)
     known = (read_table(check_file) or {}).get(key) if check_file is not None else None
     if known is not None:
@@ -236,18 +245,18 @@ def make_invariant(model: Transformer, check_file: str | Path | None = None, *, 
 def choose_dtype(model: Transformer, check_file: str | Path | None = None,
                  candidates=(torch.bfloat16, torch.float32)) -> Transformer:
     """The fastest dtype in which the model is exact on this CPU, measured: a copy of the (float32) model in each
-    candidate dtype is made invariant and checked, then timed on a one-row and a 32-row step; the winner is
+    candidate dtype is made exact and checked, then timed on a one-row and a 32-row step; the winner is
     returned (the float32 model itself when it wins). Kept in check_file with the invariance verdicts."""
     best, best_cost = None, float("inf")
     for dtype in candidates:
         candidate = model if dtype == model.dtype else _converted(model, dtype)
-        if not make_invariant(candidate, check_file, warn=False).exact:
+        if not make_exact(candidate, check_file, warn=False).exact:
             continue
         cost = _step_seconds(candidate, check_file)
         if cost < best_cost:
             best, best_cost = candidate, cost
     if best is None:
-        make_invariant(model, check_file)  # says once that it is not exact
+        make_exact(model, check_file)  # says once that it is not exact
         return model
     return best
 

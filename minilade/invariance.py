@@ -8,8 +8,12 @@ Stock kernels break that in two places:
 - attention's key reduction depends on the step's layout: SDPA groups keys in blocks, so masked keys between
   visible ones, and where a row's keys split between cache and step, change the rounding. `invariant_attention`
   reduces each row over the keys it sees, counted in order, in fixed chunks merged by a sequential sum.
-RMSNorm, rotary embeddings, SiLU and residual adds work row by row already. The load-time check that the whole
-model is invariant (one-row step == its row in a wide step) is `minilade.device.check_invariance`.
+RMSNorm, rotary embeddings, SiLU and residual adds work row by row already.
+
+The attention is a kernel the model runs in place of its SDPA one (`ExactAttention`, installed by
+`apply_exact_attention`), over the cache layout it reads without copying (`PaddedKVCache`). `minilade.device.make_exact`
+installs it and the row-tiled linears, and checks at load that the whole model is invariant (one-row step == its
+row in a wide step: `check_invariance`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .model import SDPAttention, Transformer
 
 KEY_CHUNK = 64  # keys per chunk of attention's reduction; the k-th key a row sees falls in chunk k // KEY_CHUNK
 # Attention's matmuls run on row counts that are multiples of ROW_TILE and inner and column counts that are
@@ -36,24 +44,6 @@ KERNELS_VERSION = 2
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def step_visibility(mask: torch.Tensor | None, past: int, T: int, device: torch.device) -> torch.Tensor:
-    """(T, past + T) bool: every row sees the committed cache, then the step rows its mask allows
-    (None: causal)."""
-    if mask is None:
-        mask = torch.ones(T, T, dtype=torch.bool, device=device).tril_()
-    if mask.shape != (T, T):
-        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({T}, {T}) for {T} tokens")
-    return torch.cat([torch.ones(T, past, dtype=torch.bool, device=device), mask.to(device)], dim=1)
-
-
-def in_window(positions: torch.Tensor, past: int, window: int) -> torch.Tensor:
-    """(T, past + T) bool: True where a key lies inside the sliding window of the row at positions (T,), that is
-    its position is > row - window. The committed cache holds positions 0..past-1 in order; the step's keys sit at
-    the rows' own positions. Causality is step_visibility's business, not this mask's."""
-    keys = torch.cat([torch.arange(past, device=positions.device), positions])
-    return keys[None, :] > positions[:, None] - window
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -123,9 +113,44 @@ def value_columns(D: int) -> int:
     return round_up(D + 1, COL_TILE)
 
 
+class PaddedKVCache(KVCache):
+    """The KV cache invariant_attention reads without copying.
+
+    k: (n_layers, B, Hkv, slots, D), v: (n_layers, B, Hkv, slots, value_columns(D)), slots = capacity rounded up to
+    KEY_CHUNK; v's column D is all ones (it sums the attention weights) and the columns after it zero. Kept in
+    attention's work dtype (bfloat16 keys and values stored exactly in float32, read without a copy). Slots never
+    written hold zeros, so every slot is finite (a hidden key weighs exactly 0).
+    """
+
+    def allocate(self, config: ModelConfig, capacity: int, batch_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        D, shape = config.head_dim, (config.n_layers, batch_size, config.n_kv_heads, round_up(capacity, KEY_CHUNK))
+        k = torch.zeros(*shape, D, dtype=work_dtype(dtype), device=device)
+        v = torch.zeros(*shape, value_columns(D), dtype=work_dtype(dtype), device=device)
+        v[..., D] = 1
+        return k, v
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As KVCache.write; the values go to the first D columns."""
+        end = self.length + k.shape[2]
+        self.k[layer, :, :, self.length:end] = k
+        self.v[layer, :, :, self.length:end, :self.head_dim] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end, :self.head_dim]
+
+
+def padded_views(cache: KVCache, layer: int, n_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys (B, Hkv, n_slots, D) and values with their extra columns (B, Hkv, n_slots, value_columns(D)),
+    including slots past those written (finite, to be hidden by the caller): views of a PaddedKVCache, a padded
+    copy of a plain KVCache."""
+    if isinstance(cache, PaddedKVCache):
+        return cache.k[layer, :, :, :n_slots], cache.v[layer, :, :, :n_slots]
+    end = min(n_slots, cache.capacity)
+    return pad_keys_values(cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], n_slots)
+
+
 def pad_keys_values(keys: torch.Tensor, values: torch.Tensor, n_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """keys, values: (B, Hkv, S, D) -> keys (B, Hkv, n_slots, D) and values (B, Hkv, n_slots, value_columns(D)),
-    zero-padded, values with their column of ones: the layout a padded KVCache keeps (kv_cache.py)."""
+    zero-padded, values with their column of ones: the layout a PaddedKVCache keeps."""
     B, Hkv, S, D = values.shape
     ones = values.new_ones(B, Hkv, S, 1)
     v1 = F.pad(torch.cat([values, ones], dim=-1), (0, value_columns(D) - D - 1, 0, n_slots - S))
@@ -138,7 +163,7 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
     q: (B, H, T, D); keys: (B, Hkv, layout.keys, D), values: (B, Hkv, layout.keys, value_columns(D)), the cache
     and then the step's rows, past + T slots, then slots the layout hides (finite), values with their column of
-    ones (pad_keys_values, or a padded KVCache's views). Returns (B, H, T, D) in q's dtype.
+    ones (padded_views). Returns (B, H, T, D) in q's dtype.
 
     Row r's counted keys (see KeyLayout), in slot order, are numbered 0, 1, ...; in a causal or lookahead step that
     is position order, the same sequence a one-row step at r's position sees. Key k falls in chunk k // chunk.
@@ -169,6 +194,41 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     total = chunk_sums.cumsum(2)[:, :, -1, :G * T]  # (B, Hkv, G*T, value_columns(D))
     out = total[..., :D] / total[..., D:D + 1]
     return out.reshape(B, H, T, D).to(q.dtype)
+
+
+class ExactAttention(SDPAttention):
+    """The model's attention kernel for exact lookahead: each decoding step's rows through invariant_attention.
+
+    prepare makes the step's KeyLayout once for all layers. The prefill (no committed cache) keeps SDPA: plain
+    decoding and lookahead read the same prompt K/V, and no row of a prompt is compared with a row of another step.
+    groups: query heads per key head.
+    """
+
+    cache_type = PaddedKVCache
+
+    def __init__(self, groups: int) -> None:
+        self.groups = groups
+
+    def prepare(self, visible: torch.Tensor | None, reach: torch.Tensor | None, past: int, dtype: torch.dtype
+                ) -> KeyLayout | torch.Tensor | None:
+        """visible, reach: Transformer.step_masks; dtype: the model's."""
+        if not past:
+            return super().prepare(visible, reach, past, dtype)
+        return key_layout(visible, past, self.groups, dtype, counted=reach)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
+                 step: KeyLayout | torch.Tensor | None) -> torch.Tensor:
+        if not isinstance(step, KeyLayout):
+            return super().__call__(q, k, v, cache, layer, step)
+        cache.write(layer, k, v)
+        return invariant_attention(q, *padded_views(cache, layer, step.keys), step)
+
+
+def apply_exact_attention(model: Transformer) -> Transformer:
+    """Install ExactAttention as the model's attention kernel (its caches then come padded). The weight matmuls
+    are made invariant, and the whole model checked, by minilade.device.make_exact."""
+    model.attention_kernel = ExactAttention(model.config.n_heads // model.config.n_kv_heads)
+    return model
 
 
 # ---- weight matmuls in fixed row tiles ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +28,10 @@ from .checkpoints.gguf_quant import gguf_embedding, gguf_int4_weights
 from .checkpoints.hf import config_from_hf
 from .decoding import GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens, make_strategy
 from .decoding.loop import cache_for
-from .device import choose_dtype, default_device, make_invariant, resolve_dtype
+from .device import choose_dtype, default_device, make_exact, resolve_dtype
 from .kv_cache import KVCache
 from .model import Transformer
-from .parallel import load_shard
+from .parallel import from_rank0, load_shard
 from .quant import check_options, linear_modules, map_rows, quantize_embedding, quantize_linears
 from .tokenizer import StreamDecoder, Tokenizer
 
@@ -70,9 +71,10 @@ class LLM:
         """ckpt: a .gguf file, a folder with config.json and safetensors, a Hugging Face repo id
         (owner/name[@revision]), or None for the demo model (downloaded on first use).
         dtype: float32, bfloat16, float16 (CUDA only) or None for the device's fast default.
-        exact: make every step batch-invariant, so lookahead's output is exactly plain decoding's (device.py:
-        weight matmuls in measured row tilings, checked at load); on the CPU, dtype None/"auto" then picks the
-        fastest dtype that passes the check, measured. False keeps the stock kernels (for kernel benchmarks).
+        exact: make every step batch-invariant, so lookahead's output is exactly plain decoding's (device.make_exact:
+        the invariant attention kernel, weight matmuls in measured row tilings, checked at load); on the CPU, dtype
+        None/"auto" then picks the fastest dtype that passes the check, measured. False keeps the stock kernels (for
+        kernel benchmarks).
         check_file: a JSON file where what the check found is kept per machine (None: checked at every load).
         quantize: "int8" (per output channel) or "int4" (groups of group_size inputs) keeps the linear layers
         quantized (CPU only, bfloat16 inside the layer, see quant.py), and the token embedding as int8 in groups
@@ -132,8 +134,8 @@ class LLM:
                  group_size: int = 32, blocks: dict | None = None) -> LLM:
         """The last steps of loading: the output head cut to the tokenizer's vocabulary; linear layers and the
         embedding quantized when asked (taking `blocks`, a file's own codes by module name, as they are); the
-        model made batch-invariant (in the fastest exact dtype when measure_dtype and nothing is quantized, see
-        device.choose_dtype)."""
+        model made exact when `exact` (in the fastest exact dtype when measure_dtype and nothing is quantized, see
+        device.choose_dtype), else left with the stock kernels."""
         drop_padded_logits(model, tokenizer.vocab_size)
         if quantize is not None:
             blocks = dict(blocks or {})
@@ -142,9 +144,7 @@ class LLM:
         if exact and measure_dtype and quantize is None and model.device.type == "cpu":
             model = choose_dtype(model, check_file)
         elif exact:
-            make_invariant(model, check_file)
-        else:
-            model.batch_invariant = False
+            make_exact(model, check_file)
         return cls(model, tokenizer, name)
 
     def _take_cache(self) -> KVCache | None:
@@ -208,7 +208,7 @@ class TextStream:
         self._run = TokenRun(GenerationStats())
         self._cache = cache_for(llm.model, len(prompt_ids), settings, llm._take_cache())
         self._tokens = decode_tokens(llm.model, prompt_ids, self._run, settings, eos_ids=llm.tokenizer.eos_ids,
-                                     cache=self._cache)
+                                     cache=self._cache, agree=functools.partial(from_rank0, llm.model))
 
     def __iter__(self) -> Iterator[str]:
         try:

@@ -3,18 +3,22 @@
 No sampling and no file formats here. One forward takes arbitrary tokens with their rotary positions, writes
 their keys and values into a KVCache, attends through an optional custom mask, and projects to the vocabulary
 only the rows the caller asks for.
+
+How attention is computed is one object the model holds and every layer calls, `attention_kernel` (by default
+`SDPAttention`: torch's scaled_dot_product_attention); it also says which KV cache it reads (`new_cache`). Another
+kernel is installed by swapping that object: minilade/invariance.py's batch-invariant one, for exact lookahead.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .invariance import KeyLayout, in_window, invariant_attention, key_layout, step_visibility, work_dtype
 from .kv_cache import KVCache
 
 
@@ -66,6 +70,48 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+def step_visibility(mask: torch.Tensor | None, past: int, T: int, device: torch.device | str) -> torch.Tensor:
+    """(T, past + T) bool: every row sees the committed cache, then the step rows its mask (T, T) allows
+    (None: causal)."""
+    if mask is None:
+        mask = torch.ones(T, T, dtype=torch.bool, device=device).tril_()
+    return torch.cat([torch.ones(T, past, dtype=torch.bool, device=device), mask.to(device)], dim=1)
+
+
+def in_window(positions: torch.Tensor, past: int, window: int) -> torch.Tensor:
+    """(T, past + T) bool: True where a key lies inside the sliding window of the row at positions (T,), that is
+    its position is > row - window. The committed cache holds positions 0..past-1 in order; the step's keys sit at
+    the rows' own positions. Causality is step_visibility's business, not this mask's."""
+    keys = torch.cat([torch.arange(past, device=positions.device), positions])
+    return keys[None, :] > positions[:, None] - window
+
+
+class SDPAttention:
+    """Softmax attention of a step's queries over the cache's written rows: torch's scaled_dot_product_attention.
+
+    The model's attention kernel unless another is installed in its place (Transformer.attention_kernel); a kernel
+    has these members. cache_type: the KVCache it reads (Transformer.new_cache makes one). prepare: what every
+    layer needs of the step's masks, made once per step. __call__: one layer's attention. A plain object, not a
+    module: it holds no weights, and every layer calls it on every step.
+    """
+
+    cache_type = KVCache
+
+    def prepare(self, visible: torch.Tensor | None, reach: torch.Tensor | None, past: int, dtype: torch.dtype
+                ) -> torch.Tensor | None:
+        """SDPA's attn_mask: visible, (T, past + T) bool or None for causal (Transformer.step_masks)."""
+        return visible
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
+                 visible: torch.Tensor | None) -> torch.Tensor:
+        """q: (B, H, T, D); k, v: (B, Hkv, T, D), written into the cache at [length, length + T) first.
+        Returns (B, H, T, D)."""
+        keys, values = cache.write(layer, k, v)  # (B, Hkv, S, D), S = past + T
+        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=visible,
+                                              is_causal=visible is None and q.shape[2] > 1,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -84,18 +130,12 @@ class Attention(nn.Module):
         return qk[:, :self.n_heads], qk[:, self.n_heads:], qkv[:, :, n_qk:].transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """mask: what Transformer.attention_mask made of the step mask: a KeyLayout for batch-invariant attention
-        (decoding steps on the CPU), else a mask for SDPA ((T, past + T) bool, or None for causal)."""
+                kernel: SDPAttention, step: Any) -> torch.Tensor:
+        """x: (B, T, dim) -> (B, T, dim). kernel writes this layer's k, v into the cache and attends; step: what
+        kernel.prepare made of the step's mask, once for all layers."""
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        keys, values = cache.write(layer, k, v)  # (B, Hkv, S, D), S = past + T
-        if isinstance(mask, KeyLayout):  # each row's result independent of the step's shape (invariance.py)
-            y = invariant_attention(q, *cache.padded_views(layer, mask.keys), mask)
-        else:
-            y = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
-                                               is_causal=mask is None and T > 1,
-                                               enable_gqa=self.n_heads != self.n_kv_heads)
+        y = kernel(q, k, v, cache, layer, step)  # (B, H, T, D)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -135,8 +175,8 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, mask)
+                kernel: SDPAttention, step: Any) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, kernel, step)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -150,7 +190,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.batch_invariant = True
+        self.attention_kernel = SDPAttention()  # every layer's attention; swapped to change how it is computed
         # Buffers (not saved), so that .to(dtype) converts them with the weights.
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
@@ -165,12 +205,6 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
-    @property
-    def invariant_steps(self) -> bool:
-        """Decoding steps run batch-invariant attention (invariance.py): on the CPU, where that is verified at
-        load, unless `batch_invariant` was switched off (stock kernels, for kernel benchmarks)."""
-        return self.batch_invariant and self.device.type == "cpu"
-
     def setup_rope(self, positions: int = 0) -> None:
         """(Re)build the rotary tables on the weights' device and dtype, covering at least `positions` positions
         and those they covered before; call after moving the model. The tables grow with the caches made
@@ -179,18 +213,15 @@ class Transformer(nn.Module):
         self.rope_cos, self.rope_sin = rope_tables(self.config, rope_rows(self.config, max(have, positions)),
                                                    self.dtype, self.device)
 
-    def new_cache(self, capacity: int | None = None, batch_size: int = 1, invariant: bool | None = None
+    def new_cache(self, capacity: int | None = None, batch_size: int = 1, cache_type: type[KVCache] | None = None
                   ) -> KVCache:
-        """A KV cache of `capacity` slots (default: the whole context); the rotary tables grow to match. For
-        batch-invariant decoding steps (invariant=None: when the model runs them, on the CPU) the cache keeps the
-        padded layout and attention's work dtype (bfloat16 keys and values stored exactly in float32, read without
-        a copy); otherwise plain (L, B, Hkv, capacity, D) buffers in the model's dtype."""
+        """A KV cache of `capacity` slots (default: the whole context), of the kind the attention kernel reads
+        (cache_type: another kind, for a step that reads the cache its own way); the rotary tables grow to
+        match."""
         capacity = capacity or self.config.max_seq_len
         self.cover_positions(capacity)
-        invariant = self.invariant_steps if invariant is None else invariant
-        return KVCache(self.config, capacity, batch_size=batch_size,
-                       dtype=work_dtype(self.dtype) if invariant else self.dtype, device=self.device,
-                       padded=invariant)
+        cache_type = cache_type or self.attention_kernel.cache_type
+        return cache_type(self.config, capacity, batch_size=batch_size, dtype=self.dtype, device=self.device)
 
     def cover_positions(self, positions: int) -> None:
         """Grow the rotary tables (when needed) to cover positions [0, positions), up to the model's context."""
@@ -226,36 +257,33 @@ class Transformer(nn.Module):
             input_pos = input_pos.unsqueeze(0)
         self.cover_positions(cache.capacity)
         cos, sin = self.rotary(input_pos)  # (B|1, T, 1, D)
-        attn_mask = self.attention_mask(mask, cache.length, T, input_pos)
+        kernel = self.attention_kernel
+        step = kernel.prepare(*self.step_masks(mask, cache.length, T, input_pos), cache.length, self.dtype)
         x = self.tok_embeddings(tokens).to(self.dtype)  # a quantized embedding returns float32
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, attn_mask)
+            x = layer(x, cos, sin, cache, i, kernel, step)
         if logits_rows is not None:
             x = x[:, logits_rows]
         return self.output(self.norm(x))
 
-    def attention_mask(self, mask: torch.Tensor | None, past: int, T: int, input_pos: torch.Tensor | None = None
-                       ) -> KeyLayout | torch.Tensor | None:
-        """What attention needs from a step mask (T, T) (None: causal). A decoding step on the CPU gets a KeyLayout,
-        so that each row's result is independent of the step's shape. The prefill may use SDPA (lookahead and plain
-        decoding read the same prompt K/V), and so does CUDA, where the invariant path is not verified.
+    def step_masks(self, mask: torch.Tensor | None, past: int, T: int, input_pos: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What each row of a step may see, from its mask (T, T) (None: causal), as (visible, reach).
+
+        visible: (T, past + T) bool, the keys a row attends to: the committed cache, the step rows its mask allows,
+        inside the sliding window; or the step mask itself, (T, T) or None, for a prefill (past 0) that no window
+        cuts. reach: the same before the sliding window cuts it, or None where no window is applied (a kernel that
+        counts a row's keys in order needs it: invariance.py).
         input_pos: (T,) or (B, T) the rows' rotary positions (the same for every sequence of the batch), needed
         with a sliding window: a key more than `sliding_window` positions older than a row is hidden from it.
         Committed cache slot i holds position i."""
-        window = self._window(past, T, input_pos)
-        if past:
-            reach = step_visibility(mask, past, T, self.device)
-            visible = reach if window is None else reach & window
-            if not self.invariant_steps:
-                return visible
-            return key_layout(visible, past, self.config.n_heads // self.config.n_kv_heads, self.dtype,
-                              counted=None if window is None else reach)
         if mask is not None and mask.shape != (T, T):
             raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({T}, {T}) for {T} tokens")
-        if window is None:
-            return mask
-        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril_() if mask is None else mask
-        return causal & window
+        window = self._window(past, T, input_pos)
+        if not past and window is None:
+            return mask, None
+        reach = step_visibility(mask, past, T, self.device)
+        return (reach, None) if window is None else (reach & window, reach)
 
     def _window(self, past: int, T: int, input_pos: torch.Tensor | None) -> torch.Tensor | None:
         """(T, past + T) bool, True where a key is inside each row's sliding window; None when the model has no

@@ -11,16 +11,18 @@ import torch
 
 from minilade.config import ModelConfig
 from minilade.decoding import GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens
+from minilade.invariance import apply_exact_attention
 from minilade.model import Transformer
 from minilade.sampling import SamplingParams, TokenHistory, warp
 
 
 def tiny_model(vocab: int = 16, seed: int = 0, std: float = 0.3, preset: str = "tiny-gqa",
                dtype: torch.dtype = torch.float32) -> Transformer:
-    """A random tiny model. A small vocabulary and large weights make its greedy output repetitive,
-    so lookahead finds n-grams to verify."""
+    """A random tiny model running the exact attention kernel (cheap: device.make_exact also measures row tilings
+    for the linear layers and checks the whole model). A small vocabulary and large weights make its greedy output
+    repetitive, so lookahead finds n-grams to verify."""
     config = ModelConfig.preset(preset).replace(vocab_size=vocab)
-    return Transformer(config).init_random(seed=seed, std=std).to(dtype).eval()
+    return apply_exact_attention(Transformer(config).init_random(seed=seed, std=std).to(dtype).eval())
 
 
 def run_tokens(model: Transformer, prompt: Sequence[int], strategy: Strategy, *, max_new_tokens: int = 40,

@@ -8,10 +8,13 @@ import pytest
 import torch
 
 import minilade.device as device
+from minilade.config import ModelConfig
 from minilade.decoding import Autoregressive
 from minilade.decoding.lookahead import Lookahead
-from minilade.device import Invariance, choose_dtype, make_invariant, resolve_dtype
-from minilade.invariance import RowTiledLinear
+from minilade.device import Invariance, choose_dtype, make_exact, resolve_dtype
+from minilade.invariance import ExactAttention, PaddedKVCache, RowTiledLinear
+from minilade.kv_cache import KVCache
+from minilade.model import SDPAttention, Transformer
 from minilade.quant import quantize_linears
 
 from .helpers import run_tokens, tiny_model
@@ -20,7 +23,7 @@ from .helpers import run_tokens, tiny_model
 def test_tiled_model_computes_the_same_logits() -> None:
     model = tiny_model(vocab=50, std=0.1)
     tiled = copy.deepcopy(model)
-    assert make_invariant(tiled).exact
+    assert make_exact(tiled).exact
     assert isinstance(tiled.output, RowTiledLinear) and tiled.output.weight is tiled.tok_embeddings.weight
     tokens = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -30,24 +33,35 @@ def test_tiled_model_computes_the_same_logits() -> None:
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_make_invariant_times_only_the_float_layers_of_a_quantized_model(monkeypatch) -> None:
+def test_make_exact_times_only_the_float_layers_of_a_quantized_model(monkeypatch) -> None:
     """A quantized output head has no float weight to time: choosing between tilings must skip it."""
     model = quantize_linears(tiny_model(vocab=64), "int8")
     model.layers[0].feed_forward.w_down = torch.nn.Linear(*reversed(model.layers[0].feed_forward.w_down.codes.shape))
     monkeypatch.setattr(device, "packing_available", lambda dtype, dev: True)  # two tilings to choose between
-    assert make_invariant(model).exact
+    assert make_exact(model).exact
     assert isinstance(model.layers[0].feed_forward.w_down, RowTiledLinear)
 
 
 def test_invariant_lookahead_equals_autoregressive() -> None:
     model = tiny_model(vocab=12, seed=2)
-    make_invariant(model)
+    make_exact(model)
     assert isinstance(model.layers[0].feed_forward.w_down, RowTiledLinear)
     prompt = [1, 2, 3, 1, 2, 3, 4]
     expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=40)
     for settings in [(4, 4, 4), (7, 5, 7), (1, 2, 3)]:
         got, run = run_tokens(model, prompt, Lookahead(*settings), max_new_tokens=40)
         assert got == expected and run.stats.compression > 1.0
+
+
+def test_make_exact_installs_the_exact_kernel_on_the_cpu_only() -> None:
+    """A bare model runs SDPA over a plain cache; make_exact swaps in the exact kernel and its padded cache. On
+    another device (meta here, CUDA in use) it leaves the stock kernels and says the model is not exact."""
+    model = Transformer(ModelConfig.preset("tiny-gqa").replace(vocab_size=50)).init_random().eval()
+    assert type(model.attention_kernel) is SDPAttention and type(model.new_cache(8)) is KVCache
+    elsewhere = copy.deepcopy(model).to("meta")
+    assert make_exact(elsewhere) == Invariance(False, {}) and type(elsewhere.attention_kernel) is SDPAttention
+    assert make_exact(model).exact
+    assert isinstance(model.attention_kernel, ExactAttention) and type(model.new_cache(8)) is PaddedKVCache
 
 
 def test_resolve_dtype() -> None:
@@ -73,8 +87,8 @@ def test_choose_dtype_takes_the_faster_exact_dtype(faster: torch.dtype, monkeypa
 
 def test_choose_dtype_skips_a_dtype_that_is_not_exact(monkeypatch) -> None:
     monkeypatch.setattr(device, "_step_seconds", lambda model, path: 1.0 if model.dtype == torch.bfloat16 else 2.0)
-    real = device.make_invariant
-    monkeypatch.setattr(device, "make_invariant", lambda model, path=None, warn=True: (
+    real = device.make_exact
+    monkeypatch.setattr(device, "make_exact", lambda model, path=None, warn=True: (
         Invariance(False, {}) if model.dtype == torch.bfloat16 else real(model, path, warn=warn)))
     model = tiny_model(vocab=50)
     assert choose_dtype(model) is model

@@ -9,7 +9,7 @@ import minilade.invariance as invariance
 from minilade.config import ModelConfig
 from minilade.decoding import Autoregressive
 from minilade.decoding.lookahead import Lookahead
-from minilade.device import Invariance, check_invariance, make_invariant
+from minilade.device import Invariance, check_invariance, make_exact
 from minilade.invariance import (
     RowTiledLinear,
     RowTiling,
@@ -17,11 +17,10 @@ from minilade.invariance import (
     invariant_attention,
     key_layout,
     pad_keys_values,
-    step_visibility,
     tiled_matmul,
 )
 from minilade.masks import interleaved_step
-from minilade.model import Transformer
+from minilade.model import Transformer, step_visibility
 
 from .helpers import run_tokens, tiny_model
 
@@ -32,7 +31,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 @pytest.mark.parametrize("preset", ["tiny-gqa", "tiny-mha"])
 def test_one_row_step_equals_its_row_in_wide_steps(dtype: torch.dtype, preset: str) -> None:
     model = tiny_model(vocab=50, preset=preset, dtype=dtype)
-    assert make_invariant(model).exact
+    assert make_exact(model).exact
     # contexts on both sides of a key-chunk boundary (64) and past several; steps up to 64 rows, 2 to 8 lanes
     for contexts, width, lanes in [((1, 63, 64), 8, 2), ((5, 130), 40, 8), ((70,), 64, 3)]:
         assert check_invariance(model, contexts, width, lanes), (contexts, width, lanes)
@@ -91,7 +90,7 @@ def test_stale_slots_past_the_step_do_not_change_a_step(dtype: torch.dtype) -> N
 
 def test_check_catches_a_row_count_dependent_layer() -> None:
     model = tiny_model(vocab=50)
-    assert make_invariant(model).exact
+    assert make_exact(model).exact
     layer = model.layers[1].feed_forward.w_down
 
     class Drifting(torch.nn.Module):  # a kernel whose rows change with the call's row count, as BLAS ones can
@@ -134,15 +133,15 @@ def test_find_tiling_probes_a_random_weight_not_the_real_one(monkeypatch) -> Non
     assert find_tiling(torch.zeros(48, 32, dtype=torch.bfloat16), packed=False) == RowTiling(2)
 
 
-def test_make_invariant_keeps_its_findings_in_a_file(tmp_path, monkeypatch) -> None:
+def test_make_exact_keeps_its_findings_in_a_file(tmp_path, monkeypatch) -> None:
     path = tmp_path / "invariance.json"
-    first = make_invariant(tiny_model(vocab=50), path)
+    first = make_exact(tiny_model(vocab=50), path)
     assert first.exact and path.is_file()
     import minilade.device as device
 
     monkeypatch.setattr(device, "check_invariance", lambda *a, **k: pytest.fail("checked again"))
     model = tiny_model(vocab=50)
-    again = make_invariant(model, path)
+    again = make_exact(model, path)
     assert again == first and isinstance(again, Invariance)
     assert all(isinstance(m, RowTiledLinear) for m in (model.output, model.layers[0].attention.wqkv))
     assert model.output.weight is model.tok_embeddings.weight  # tied weights stay tied
@@ -152,7 +151,7 @@ def test_make_invariant_keeps_its_findings_in_a_file(tmp_path, monkeypatch) -> N
 def test_greedy_lookahead_equals_autoregressive_in_bfloat16(settings) -> None:
     for seed, prompt in [(2, [1, 2, 3, 1, 2, 3, 4]), (5, [7, 3, 3, 9, 1, 7, 3])]:
         model = tiny_model(vocab=12, seed=seed, dtype=torch.bfloat16)
-        assert make_invariant(model).exact
+        assert make_exact(model).exact
         expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=60)
         got, run = run_tokens(model, prompt, Lookahead(*settings), max_new_tokens=60)
         assert got == expected
@@ -165,7 +164,7 @@ def test_sliding_window_rows_are_invariant(dtype: torch.dtype) -> None:
     weighing them 0, so its chunks are those of a one-row step at its position; lookahead stays exact."""
     config = ModelConfig.preset("tiny-gqa").replace(vocab_size=12, sliding_window=7)
     model = Transformer(config).init_random(seed=2, std=0.3).to(dtype).eval()
-    assert make_invariant(model).exact
+    assert make_exact(model).exact
     for contexts, width, lanes in [((1, 63, 64), 8, 2), ((5, 130), 40, 8), ((70,), 64, 3)]:
         assert check_invariance(model, contexts, width, lanes), (contexts, width, lanes)
     prompt = [1, 2, 3, 1, 2, 3, 4]

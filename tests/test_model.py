@@ -6,9 +6,20 @@ import pytest
 import torch
 
 from minilade.checkpoints import build_model, open_checkpoint
-from minilade.model import Transformer
+from minilade.invariance import apply_exact_attention
+from minilade.model import SDPAttention, Transformer
 
 from .helpers import tiny_model
+
+KERNELS = pytest.mark.parametrize("exact", [False, True], ids=["sdpa", "exact"])  # either attention kernel
+
+
+def kernel_model(exact: bool, **options) -> Transformer:
+    """tiny_model(**options) with the exact attention kernel, or with the plain model's SDPA."""
+    model = tiny_model(**options)
+    if not exact:
+        model.attention_kernel = SDPAttention()
+    return model
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,8 +60,9 @@ def test_logits_match_transformers(variant: str, tmp_path) -> None:
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
-def test_cached_decoding_equals_uncached() -> None:
-    model = tiny_model(vocab=50, dtype=torch.float64)
+@KERNELS
+def test_cached_decoding_equals_uncached(exact: bool) -> None:
+    model = kernel_model(exact, vocab=50, dtype=torch.float64)
     tokens = torch.randint(0, 50, (1, 30), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         full = model(tokens, torch.arange(30), model.new_cache(32))
@@ -65,6 +77,20 @@ def test_cached_decoding_equals_uncached() -> None:
     assert torch.equal(torch.cat(pieces, dim=1).argmax(-1), full.argmax(-1))
 
 
+def test_model_and_cache_import_only_the_core() -> None:
+    """model.py and kv_cache.py stand alone: what goes beyond a plain LLaMA (exactness, quantization, sharding,
+    compiled steps) plugs into them from outside."""
+    import ast
+    import pathlib
+
+    import minilade
+    root = pathlib.Path(minilade.__file__).parent
+    for name in ("model.py", "kv_cache.py"):
+        tree = ast.parse((root / name).read_text())
+        local = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level}
+        assert local <= {"config", "kv_cache"}, (name, local)
+
+
 def test_logits_rows_selects_rows() -> None:
     model = tiny_model(vocab=50)
     tokens = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(3))
@@ -75,8 +101,9 @@ def test_logits_rows_selects_rows() -> None:
     torch.testing.assert_close(some, full[:, rows], rtol=1e-6, atol=1e-6)
 
 
-def test_custom_mask_causal_equals_default() -> None:
-    model = tiny_model(vocab=50)
+@KERNELS
+def test_custom_mask_causal_equals_default(exact: bool) -> None:
+    model = kernel_model(exact, vocab=50)
     tokens = torch.randint(0, 50, (1, 10), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         cache = model.new_cache(32)
@@ -87,8 +114,9 @@ def test_custom_mask_causal_equals_default() -> None:
     torch.testing.assert_close(default, explicit, rtol=0, atol=0)
 
 
-def test_bad_mask_shape_and_capacity_errors() -> None:
-    model = tiny_model(vocab=50)
+@KERNELS
+def test_bad_mask_shape_and_capacity_errors(exact: bool) -> None:
+    model = kernel_model(exact, vocab=50)
     tokens = torch.zeros(1, 5, dtype=torch.long)
     with pytest.raises(ValueError, match=r"mask has shape \(4, 4\), expected \(5, 5\)"):
         cache = model.new_cache(16)
@@ -110,13 +138,16 @@ def test_bfloat16_forward_close_to_float32() -> None:
     torch.testing.assert_close(got.float(), ref, rtol=0.05, atol=0.05)
 
 
-def test_sliding_window_hides_keys_older_than_the_window() -> None:
+@KERNELS
+def test_sliding_window_hides_keys_older_than_the_window(exact: bool) -> None:
     """With window w and 2 layers, position q depends only on tokens at positions > q - 2(w - 1): changing the
     first token must leave every later position's logits untouched, in the prefill and in cached decoding steps,
     and change those within reach (else the window hid more than it should)."""
     w = 5
     config = tiny_model(vocab=50).config.replace(sliding_window=w)
     model = Transformer(config).init_random(seed=1, std=0.3).double().eval()
+    if exact:
+        apply_exact_attention(model)
     tokens = torch.randint(0, 50, (1, 30), generator=torch.Generator().manual_seed(4))
     other = tokens.clone()
     other[0, 0] = (tokens[0, 0] + 1) % 50

@@ -7,7 +7,7 @@ import torch
 
 from minilade.decoding import Autoregressive
 from minilade.decoding.lookahead import Lookahead
-from minilade.device import make_invariant
+from minilade.device import make_exact
 from minilade.llm import LLM
 
 pytestmark = pytest.mark.real_model
@@ -58,7 +58,7 @@ def test_greedy_lookahead_equals_autoregressive(llm, name: str) -> None:
 @pytest.fixture(scope="module")
 def llm_bf16(smollm2_gguf) -> LLM:
     llm = LLM.load(smollm2_gguf, dtype="bfloat16", device="cpu", progress=False)
-    assert make_invariant(llm.model).exact
+    assert make_exact(llm.model).exact
     return llm
 
 

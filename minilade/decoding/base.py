@@ -100,12 +100,11 @@ class Strategy(ABC):
     @abstractmethod
     def make_decoder(self, ctx: DecodeContext) -> Decoder: ...
 
-    @property
-    def invariant_steps(self) -> bool:
-        """Whether the decoder runs the model's own steps, batch-invariant where the model makes them so; a
-        strategy that runs a step of its own (Autoregressive(compiled=True)) says False and gets an unpadded
-        cache."""
-        return True
+    def cache_type(self, model: Transformer) -> type[KVCache]:
+        """The kind of KV cache the decoder works on: the one the model's attention kernel reads, as
+        model.new_cache makes it; a strategy that runs steps of its own names the one they read
+        (compiled.CompiledAutoregressive: a plain KVCache)."""
+        return model.attention_kernel.cache_type
 
     def max_step_tokens(self) -> int:
         """Most tokens one step puts through the model (the KV cache keeps this much room past the budget)."""

@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from minilade.invariance import KeyLayout, invariant_attention
+from minilade.invariance import KeyLayout, invariant_attention, padded_views
 from minilade.model import Block, Transformer, apply_rope
 
 from .one_token_step import cpu_flags, load_model, positive, step_parser
@@ -54,12 +54,12 @@ def regions(model: Transformer, wrap: Callable[[Callable], Callable]) -> Iterato
     other calls (the prefill) as before. Restored on exit."""
     first, last = wrap(before_attention), wrap(after_attention)
 
-    def forward(block, x, cos, sin, cache, layer, mask):
-        if not isinstance(mask, KeyLayout):
-            return Block.forward(block, x, cos, sin, cache, layer, mask)
+    def forward(block, x, cos, sin, cache, layer, kernel, step):
+        if not isinstance(step, KeyLayout):
+            return Block.forward(block, x, cos, sin, cache, layer, kernel, step)
         q, k, v = first(block, x, cos, sin)
         cache.write(layer, k, v)
-        return last(block, x, invariant_attention(q, *cache.padded_views(layer, mask.keys), mask))
+        return last(block, x, invariant_attention(q, *padded_views(cache, layer, step.keys), step))
 
     for block in model.layers:
         block.forward = types.MethodType(forward, block)

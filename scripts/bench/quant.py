@@ -41,10 +41,11 @@ from torch import nn
 from minilade import LLM
 from minilade.checkpoints import DEFAULT_CHECKPOINT, open_checkpoint
 from minilade.checkpoints.checkpoint import Checkpoint
+from minilade.compiled import CompiledAutoregressive
 from minilade.config import ModelConfig
 from minilade.decoding import Autoregressive, GenerationSettings, GenerationStats, Lookahead, TokenRun, decode_tokens
 from minilade.decoding.step_costs import measure_step_costs
-from minilade.device import make_invariant
+from minilade.device import make_exact
 from minilade.llm import gguf_codes
 from minilade.model import Transformer
 from minilade.quant import (
@@ -221,8 +222,7 @@ def quantized_copy(llm: LLM, checkpoint: Checkpoint, mode: str, group_size: int,
 
 def as_loaded(model: Transformer) -> Transformer:
     """The model on the path LLM.load runs: batch-invariant steps, float layers in their row tilings."""
-    model.batch_invariant = True
-    make_invariant(model, warn=False)
+    make_exact(model, warn=False)
     return model
 
 
@@ -263,7 +263,7 @@ def run_decode(args: argparse.Namespace) -> dict:
     models = variants(llm, checkpoint, args.dense_from)
     # one-row steps never reach a dense copy
     timed = {name: (models[name], Autoregressive()) for name in models if "dense" not in name}
-    timed.update({f"{name} compiled": (models[name], Autoregressive(compiled=True)) for name in args.compiled})
+    timed.update({f"{name} compiled": (models[name], CompiledAutoregressive()) for name in args.compiled})
     prompts = humaneval_ids(llm, args, args.n_prompts)
     rng = random.Random(args.seed)
     for name, (model, strategy) in timed.items():  # warm-up (and compilation)
@@ -289,7 +289,7 @@ def run_decode(args: argparse.Namespace) -> dict:
                                 Lookahead(window=7, ngram=5, guesses=7), prompts, args.max_new_tokens),
                 # the compiled step rounds as the stock kernels do, so a near tie may go the other way
                 compiled_vs_eager=agreement("compiled plain decoding == eager plain decoding", compiled,
-                                            Autoregressive(compiled=True), prompts, args.max_new_tokens))
+                                            CompiledAutoregressive(), prompts, args.max_new_tokens))
 
 
 def agreement(title: str, models: dict[str, Transformer], strategy: Any, prompts: list[list[int]],

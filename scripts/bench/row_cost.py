@@ -28,8 +28,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from minilade.device import make_invariant
-from minilade.invariance import KeyLayout, RowTiledLinear, invariant_attention
+from minilade.device import make_exact
+from minilade.invariance import ExactAttention, RowTiledLinear, invariant_attention, padded_views
 from minilade.masks import interleaved_step
 from minilade.model import Transformer
 
@@ -74,15 +74,15 @@ def step_parts(model: Transformer, context: int, rows: int) -> dict[str, Callabl
     positions, mask = interleaved_step(context, rows, lanes=4)
     tokens = torch.randint(model.config.vocab_size, (1, rows))
     model(tokens, positions, cache, mask)
-    layout = model.attention_mask(mask, context, rows, positions)
-    if not isinstance(layout, KeyLayout):
+    if not isinstance(model.attention_kernel, ExactAttention):
         raise RuntimeError("the model does not take the batch-invariant attention path")
+    layout = model.attention_kernel.prepare(*model.step_masks(mask, context, rows, positions), context, model.dtype)
     c = model.config
     q = torch.randn(1, c.n_heads, rows, c.head_dim, dtype=model.dtype)
 
     def attention() -> None:
         for layer in range(c.n_layers):
-            invariant_attention(q, *cache.padded_views(layer, layout.keys), layout)
+            invariant_attention(q, *padded_views(cache, layer, layout.keys), layout)
 
     return {"step": lambda: model(tokens, positions, cache, mask), "matmuls": weight_matmuls(model, rows)[0],
             "attention": attention}
@@ -157,7 +157,7 @@ def job(argv: list[str]) -> int:
     config = preset_fitting(args.preset, args.context + max(args.rows))
     model = Transformer(config).init_random(seed=args.seed)
     model = model.to(getattr(torch, args.dtype)).eval()
-    exact = make_invariant(model, warn=False).exact
+    exact = make_exact(model, warn=False).exact
     rows = sorted(set(args.rows) | {1})
     with torch.inference_mode():
         results = measure(model, args.context, rows, args.rounds, not args.no_progress)

@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType as QType
 from minilade.checkpoints import build_model, open_checkpoint
 from minilade.checkpoints.families import FAMILIES
 from minilade.decoding import Autoregressive, Lookahead
+from minilade.invariance import apply_exact_attention
 from minilade.masks import CandidateTree, LookaheadLayout, StepShape
 from minilade.model import Transformer
 
@@ -65,8 +66,9 @@ def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 def load(folder: Path, dtype: torch.dtype = torch.float64) -> Transformer:
+    """The model with the exact attention kernel, whose decoding steps lookahead's exactness rests on."""
     checkpoint = open_checkpoint(folder, progress=False)
-    return build_model(checkpoint.config, checkpoint.tensors(), dtype=dtype, device="cpu")
+    return apply_exact_attention(build_model(checkpoint.config, checkpoint.tensors(), dtype=dtype, device="cpu"))
 
 
 def test_every_family_has_a_variant() -> None:

@@ -12,7 +12,7 @@ import minilade.memo as memo
 from minilade.decoding import Autoregressive
 from minilade.decoding.auto import Auto, best_plan
 from minilade.decoding.step_costs import StepCosts, step_costs_for
-from minilade.device import make_invariant
+from minilade.device import make_exact
 from minilade.memo import read_table
 from minilade.quant import quantize_embedding, quantize_linears
 from minilade.sampling import SamplingParams
@@ -149,7 +149,7 @@ def test_a_quantized_model_keeps_its_own_step_costs_and_invariance_verdict(monke
     model = tiny_model(vocab=12, seed=1)
     cost_file, check_file = tmp_path / "costs.json", tmp_path / "invariance.json"
     cost_file.write_text(json.dumps({step_costs.cost_key(model): {"1": 0.01, "4": 0.02}}))
-    make_invariant(model, check_file)
+    make_exact(model, check_file)
     quantized = quantize_embedding(quantize_linears(model, "int8"), group_size=16)
     key = step_costs.cost_key(quantized)
     assert "(embedding int8 g16, int8 bfloat16)" in key and key not in read_table(check_file)
@@ -157,7 +157,7 @@ def test_a_quantized_model_keeps_its_own_step_costs_and_invariance_verdict(monke
     monkeypatch.setattr(step_costs, "measure_step_costs",
                         lambda model, sizes, **kw: measured.extend(sizes) or {T: 0.5 * T for T in sizes})
     assert step_costs_for(quantized, [1, 4], cost_file)(4) == 2.0 and sorted(measured) == [1, 4]
-    assert make_invariant(quantized, check_file).exact and key in read_table(check_file)  # checked, then kept
+    assert make_exact(quantized, check_file).exact and key in read_table(check_file)  # checked, then kept
 
 
 def test_a_file_that_is_not_a_cost_table_is_not_overwritten(tmp_path) -> None:

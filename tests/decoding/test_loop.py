@@ -67,9 +67,10 @@ def test_a_step_larger_than_the_context_is_refused_before_any_allocation() -> No
 
 def short_context_model(context: int = 32):
     from minilade.config import ModelConfig
+    from minilade.invariance import apply_exact_attention
     from minilade.model import Transformer
     config = ModelConfig.preset("tiny-gqa").replace(vocab_size=12, max_seq_len=context)
-    return Transformer(config).init_random(seed=3, std=0.3).eval()
+    return apply_exact_attention(Transformer(config).init_random(seed=3, std=0.3).eval())
 
 
 def spy_positions(model, monkeypatch) -> list[tuple[int, int, int]]:

@@ -6,6 +6,7 @@ import torch
 
 from minilade.decoding.step_costs import StepCosts
 from minilade.masks import CandidateTree, LookaheadLayout, StepShape
+from minilade.invariance import apply_exact_attention
 from minilade.model import Transformer
 
 PROMPT = [3, 17, 5, 9, 3, 17, 5, 2, 11, 4, 3, 17]
@@ -31,8 +32,9 @@ def lookahead_step() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def prefill_and_step(model: Transformer, step: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits (1, P, V) of the prompt, then (1, T, V) of the lookahead step after it."""
-    cache = model.new_cache(64)
+    """Logits (1, P, V) of the prompt, then (1, T, V) of the lookahead step after it, through the exact attention
+    kernel."""
+    cache = apply_exact_attention(model).new_cache(64)
     with torch.inference_mode():
         prefill = model(torch.tensor([PROMPT]), torch.arange(len(PROMPT)), cache)
         cache.commit(len(PROMPT))

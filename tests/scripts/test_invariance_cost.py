@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from minilade.config import ModelConfig
-from minilade.invariance import KeyLayout
+from minilade.invariance import KeyLayout, apply_exact_attention
+from minilade.kv_cache import KVCache
 from minilade.model import Transformer
 from scripts.bench import invariance_cost
 
@@ -33,7 +34,8 @@ def test_every_size_is_measured_on_both_paths(tmp_path: Path, capsys) -> None:
 def test_stock_model_takes_sdpa_and_plain_linears() -> None:
     """The comparison is only meaningful if the stock copy really leaves the invariant path."""
     model = Transformer(ModelConfig.preset("tiny-gqa")).init_random()
-    assert isinstance(model.attention_mask(None, 5, 2), KeyLayout)
-    model.batch_invariant = False
-    assert isinstance(model.attention_mask(None, 5, 2), torch.Tensor)
-    assert model.new_cache(8).v.shape[-1] == model.config.head_dim  # unpadded cache
+    masks = model.step_masks(None, 5, 2)
+    assert isinstance(model.attention_kernel.prepare(*masks, 5, model.dtype), torch.Tensor)  # SDPA's mask
+    assert type(model.new_cache(8)) is KVCache  # unpadded cache
+    apply_exact_attention(model)  # what make_exact installs on the invariant copy
+    assert isinstance(model.attention_kernel.prepare(*masks, 5, model.dtype), KeyLayout)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minilade.config import ModelConfig
-from minilade.device import make_invariant
+from minilade.device import make_exact
 from minilade.model import Transformer
 from scripts.bench import row_cost
 
@@ -33,7 +33,7 @@ def test_every_row_count_times_the_step_and_its_parts(tmp_path: Path, capsys) ->
 
 def test_matmuls_cover_every_linear_layer_of_the_step() -> None:
     model = Transformer(ModelConfig.preset("tiny-gqa")).init_random().eval()
-    make_invariant(model, warn=False)
+    make_exact(model, warn=False)
     _, parameters = row_cost.weight_matmuls(model, 3)
     c = model.config
     per_layer = c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim \
@@ -44,10 +44,10 @@ def test_matmuls_cover_every_linear_layer_of_the_step() -> None:
 def test_attention_alone_reads_what_the_step_reads(monkeypatch) -> None:
     """The attention part runs once per layer over the keys, values and key layout that the step's own
     attention gets (the cache the step wrote), so it times the same work."""
-    import minilade.model
+    import minilade.invariance
 
     model = Transformer(ModelConfig.preset("tiny-gqa")).init_random().eval()
-    make_invariant(model, warn=False)
+    make_exact(model, warn=False)
     seen: dict[str, list] = {"step": [], "attention": []}
 
     def recording(part: str):
@@ -58,7 +58,7 @@ def test_attention_alone_reads_what_the_step_reads(monkeypatch) -> None:
 
     with torch.inference_mode():
         parts = row_cost.step_parts(model, 9, 6)
-        monkeypatch.setattr(minilade.model, "invariant_attention", recording("step"))
+        monkeypatch.setattr(minilade.invariance, "invariant_attention", recording("step"))
         monkeypatch.setattr(row_cost, "invariant_attention", recording("attention"))
         parts["step"]()
         parts["attention"]()
