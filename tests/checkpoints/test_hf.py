@@ -197,7 +197,7 @@ def test_missing_and_misshapen_safetensors_tensors(hf_dir: Path, tiny_llama: Tin
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Hostile folders (issue 10): wrong types and ranges, layers the config does not count, integer weights, shard
+# Hostile folders: wrong types and ranges, layers the config does not count, integer weights, shard
 # names outside the folder
 # ---------------------------------------------------------------------------------------------------------------
 

@@ -59,7 +59,7 @@ def test_chat_template_errors_are_one_line(spm, tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Hostile templates (issue 10, item 11): rendering is bounded in time and size
+# Hostile templates: rendering is bounded in time and size
 # ---------------------------------------------------------------------------------------------------------------
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -257,6 +257,6 @@ def test_gguf_errors_are_one_line(tmp_path: Path) -> None:
      "tokenizer.ggml.scores is not a list of numbers"),
 ], ids=["tokens", "types", "scores"])
 def test_gguf_vocabulary_of_the_wrong_type(tmp_path: Path, fields: dict[str, object], fragment: str) -> None:
-    """Issue 10: wrongly typed vocabulary arrays used to end in a TypeError/ValueError traceback."""
+    """Wrongly typed vocabulary arrays are one clear line, not a TypeError/ValueError traceback."""
     path = write_gguf(tmp_path / "typed.gguf", 3, tokenizer_model="gpt2", **fields)
     assert_one_line_error(lambda: Tokenizer.from_checkpoint(path), str(path), fragment)
