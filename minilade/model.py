@@ -257,8 +257,9 @@ class Transformer(nn.Module):
             input_pos = input_pos.unsqueeze(0)
         self.cover_positions(cache.capacity)
         cos, sin = self.rotary(input_pos)  # (B|1, T, 1, D)
-        kernel = self.attention_kernel
-        step = kernel.prepare(*self.step_masks(mask, cache.length, T, input_pos), cache.length, self.dtype)
+        past, kernel = cache.length, self.attention_kernel
+        visible, reach = self.step_masks(mask, past, T, input_pos)
+        step = kernel.prepare(visible, reach, past, self.dtype)  # once per step, for every layer
         x = self.tok_embeddings(tokens).to(self.dtype)  # a quantized embedding returns float32
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, kernel, step)
