@@ -15,11 +15,11 @@ from typing import Sequence
 
 from .checkpoints import DEFAULT_CHECKPOINT
 from .checkpoints.generation_config import check_sampling, merge_sampling
+from .checkpoints.resolve import kept_tables_dir
 from .checkpoints.support import describe_support
 from .decoding import STRATEGIES, GenerationSettings, make_strategy
 from .errors import CheckpointError, TokenizerError, UnsupportedModelError
 from .llm import LLM, Generation, TextStream
-from .memo import kept_tables_dir
 from .parallel import end_failed_run, launched_with_ranks, quiet_unless_leader, read_on_leader, shutdown
 from .quant import check_options
 from .sampling import SamplingParams
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
     """The generation settings the options ask for, checked before any weights are loaded. Step costs for
-    `auto` are measured once per machine and kept (memo.kept_tables_dir)."""
+    `auto` are measured once per machine and kept (checkpoints.resolve.kept_tables_dir)."""
     drafts = {name: value for name, value in (("suffix_draft", args.suffix_draft),
                                               ("suffix_branches", args.suffix_branches),
                                               ("recycle_topk", args.recycle_topk),

@@ -2,6 +2,7 @@
 
 A table maps a key (the model's shape, dtype, device, processor, torch build) to what was measured for it. A file that
 cannot be written only costs a new measurement next time; a file that is not such a table is never overwritten.
+Where the files are is the caller's choice (the CLI's: checkpoints.resolve.kept_tables_dir).
 """
 
 from __future__ import annotations
@@ -9,23 +10,11 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import os
 import platform
 from pathlib import Path
 from typing import Any
 
-from .checkpoints.resolve import default_weights_dir
-
 SIMD_FLAG_PREFIXES = ("avx", "amx")  # the CPU flags that decide which matmul kernels torch can use
-
-
-def kept_tables_dir() -> Path:
-    """Where the CLI keeps its tables (invariance.json, step_costs.json): $MINILADE_TABLES if set (a writable
-    place when the weights' folder is read-only, or a test session's own folder), else beside the demo weights
-    (checkpoints.default_weights_dir)."""
-    if os.environ.get("MINILADE_TABLES"):
-        return Path(os.environ["MINILADE_TABLES"]).expanduser()
-    return default_weights_dir()
 
 
 def read_table(path: str | Path) -> dict[str, Any] | None:

@@ -204,6 +204,14 @@ class QuantizedLinear(nn.Module):
         """The activations' dtype inside the kernel: that of the stored scales."""
         return (self.scales if self.mode == "int8" else self.scale_zeros).dtype
 
+    @property
+    def quantized_as(self) -> str:
+        """How this layer computes, in a few words ("int4 g32 bfloat16"): part of the keys under which step costs
+        and batch-invariance verdicts are kept (step_costs.cost_key reads it from every layer that has it)."""
+        group = f" g{self.group_size}" if self.mode == "int4" else ""
+        dense = f" dense from {self.dense_from_rows} rows" if self.dense_from_rows is not None else ""
+        return f"{self.mode}{group} {str(self.kernel_dtype).removeprefix('torch.')}{dense}"
+
     def _apply(self, fn: Callable, recurse: bool = True) -> "QuantizedLinear":
         """model.to(device) moves the scales, but model.to(dtype) must not change their dtype: float32 scales
         would send the kernels down their scalar path."""
@@ -259,26 +267,16 @@ class QuantizedEmbedding(nn.Module):
         self.scales = self.scales.float()
         return self
 
+    @property
+    def quantized_as(self) -> str:
+        """How this embedding is stored, in a few words (see QuantizedLinear.quantized_as)."""
+        return f"embedding int8 g{self.group_size}"
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return Int8GroupWeight(self.codes, self.scales).rows(tokens)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8, group_size={self.group_size}"
-
-
-def quantization(model: nn.Module) -> str:
-    """What of the model is quantized, and how, in a few words ("" when nothing is), e.g. "embedding int8 g32,
-    int4 g32 bfloat16". Step costs and batch-invariance verdicts depend on it, so it is part of the keys under
-    which they are kept (step_costs.cost_key)."""
-    kinds = set()
-    for module in model.modules():
-        if isinstance(module, QuantizedLinear):
-            group = f" g{module.group_size}" if module.mode == "int4" else ""
-            dense = f" dense from {module.dense_from_rows} rows" if module.dense_from_rows is not None else ""
-            kinds.add(f"{module.mode}{group} {str(module.kernel_dtype).removeprefix('torch.')}{dense}")
-        elif isinstance(module, QuantizedEmbedding):
-            kinds.add(f"embedding int8 g{module.group_size}")
-    return ", ".join(sorted(kinds))
 
 
 def quantize_embedding(model: nn.Module, weight: Int8GroupWeight | None = None, group_size: int = 32) -> nn.Module:

@@ -9,9 +9,11 @@ draft's own tokens up to that row (TokenHistory.penalize with drafts), so lookah
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import secrets
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -59,6 +61,15 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def seeded(params: SamplingParams, agree: Callable[[int], int]) -> SamplingParams:
+    """params with a seed: its own, else a fresh one from the OS (as an unseeded torch.Generator seeds itself) passed
+    through `agree`, which makes it rank 0's on every rank of a sharded model (DecodeContext.agree; the identity in
+    one process), so that every rank draws the same tokens. Greedy settings draw nothing and come back as they are."""
+    if params.greedy or params.seed is not None:
+        return params
+    return dataclasses.replace(params, seed=agree(secrets.randbits(63)))
 
 
 def _number(value: object) -> bool:

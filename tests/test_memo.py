@@ -1,4 +1,4 @@
-"""minilade/memo.py: where the kept tables live."""
+"""Where the kept tables (minilade/memo.py) live: checkpoints.resolve.kept_tables_dir."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from minilade.checkpoints import default_weights_dir
-from minilade.memo import kept_tables_dir
+from minilade.checkpoints.resolve import default_weights_dir, kept_tables_dir
 
 
 def test_kept_tables_live_where_minilade_tables_says_else_beside_the_weights(monkeypatch: pytest.MonkeyPatch,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from minilade.decoding import Autoregressive, Lookahead
-from minilade.sampling import SamplingParams, warp
+from minilade.decoding import Autoregressive, GenerationSettings, GenerationStats, Lookahead, TokenRun, decode_tokens
+from minilade.sampling import SamplingParams, seeded, warp
 
 from .helpers import run_tokens, tiny_model
 
@@ -55,6 +57,29 @@ def test_seeded_sampling_is_reproducible(strategy) -> None:
     outputs = [run_tokens(model, prompt, strategy, max_new_tokens=30,
                           sampling=SamplingParams(temperature=1.0, seed=s))[0] for s in (1, 1, 2)]
     assert outputs[0] == outputs[1] and outputs[0] != outputs[2]
+
+
+def test_an_unseeded_generation_samples_with_the_seed_agree_gives() -> None:
+    """The seed a sharded model's ranks share (DecodeContext.agree gives rank 0's) replaces only the missing seed:
+    every other setting, penalties included, stays the caller's."""
+    model = tiny_model(vocab=16, seed=5, std=0.1)
+    penalized = SamplingParams(temperature=1.0, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5)
+    settings = GenerationSettings(Lookahead(3, 3, 3), penalized, max_new_tokens=30)
+    agreed = list(decode_tokens(model, [1, 2, 3], TokenRun(GenerationStats()), settings, agree=lambda seed: 11))
+    assert agreed == run_tokens(model, [1, 2, 3], Lookahead(3, 3, 3), max_new_tokens=30,
+                                sampling=dataclasses.replace(penalized, seed=11))[0]
+    assert agreed != run_tokens(model, [1, 2, 3], Lookahead(3, 3, 3), max_new_tokens=30,
+                                sampling=SamplingParams(temperature=1.0, seed=11))[0]  # the penalties matter
+
+
+def test_only_an_unseeded_sampling_generation_asks_for_a_seed() -> None:
+    def refuse(value: int) -> int:
+        raise AssertionError("asked for a seed")
+
+    for params in (SamplingParams(), SamplingParams(repetition_penalty=2.0), SamplingParams(temperature=1.0, seed=3)):
+        assert seeded(params, refuse) is params
+    fresh = [seeded(SamplingParams(temperature=1.0, top_k=4), lambda seed: seed) for _ in range(2)]
+    assert fresh[0].seed != fresh[1].seed and fresh[0].top_k == 4  # from the OS: a new one each time
 
 
 def test_sampling_touches_no_global_rng() -> None:

@@ -5,6 +5,7 @@ Order of resolution:
 2. an existing local file (must be .gguf) or folder (config.json + safetensors, or exactly one .gguf);
 3. a path-like string that does not exist: "checkpoint not found";
 4. a Hugging Face repo id, owner/name[@revision]: config, tokenizer and safetensors files from the hub.
+The demo weights' folder is also where the CLI keeps what it measures per machine (kept_tables_dir).
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ def default_weights_dir() -> Path:
     if (checkout_weights / ".gitignore").is_file():
         return checkout_weights
     return Path.home() / ".cache" / "minilade" / "weights"
+
+
+def kept_tables_dir() -> Path:
+    """Where the CLI keeps its tables (invariance.json, step_costs.json; minilade/memo.py reads and writes them):
+    $MINILADE_TABLES if set (a writable place when the weights' folder is read-only, or a test session's own
+    folder), else beside the demo weights (default_weights_dir)."""
+    if os.environ.get("MINILADE_TABLES"):
+        return Path(os.environ["MINILADE_TABLES"]).expanduser()
+    return default_weights_dir()
 
 
 def resolve_checkpoint(ckpt: str | Path | None, *, weights_dir: Path | None = None, progress: bool = True) -> Path:

@@ -10,13 +10,26 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from ..kv_cache import KVCache
 from ..model import Transformer
 from ..sampling import Sampler
+
+T = TypeVar("T")
+
+
+class Agree(Protocol):
+    """Rank 0's value of what it is given (any picklable value), on every rank of a sharded model."""
+
+    def __call__(self, value: T) -> T: ...
+
+
+def single_process(value: T) -> T:
+    """Agree in a single process: every value is already rank 0's."""
+    return value
 
 
 @dataclass
@@ -26,6 +39,9 @@ class DecodeContext:
     tokens: the prompt followed by every emitted token. Invariant between steps: cache.length ==
     len(tokens) - 1, i.e. every token except the last has its K/V in the cache; the last is the next input.
     limit: the number of positions the generation may use (the model's context or a smaller budget).
+    agree: rank 0's value of what it is given; the identity in one process. Every rank of a sharded model reads the
+    same logits, so whatever is decided from them is decided alike; a decision that does not come from them (a
+    sampling seed, measured step costs) goes through agree.
     """
 
     model: Transformer
@@ -33,6 +49,7 @@ class DecodeContext:
     sampler: Sampler
     tokens: list[int]
     limit: int
+    agree: Agree = single_process
 
     @property
     def device(self) -> torch.device:

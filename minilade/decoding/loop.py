@@ -16,10 +16,9 @@ import torch
 
 from ..kv_cache import KVCache
 from ..model import Transformer
-from ..parallel.layers import shared_sampling
-from ..sampling import Sampler, SamplingParams
+from ..sampling import Sampler, SamplingParams, seeded
 from .autoregressive import Autoregressive
-from .base import DecodeContext, Decoder, Step, Strategy
+from .base import Agree, DecodeContext, Decoder, Step, Strategy, single_process
 
 
 @dataclass
@@ -152,18 +151,20 @@ def cache_for(model: Transformer, prompt_len: int, settings: GenerationSettings,
 
 
 def decode_tokens(model: Transformer, prompt: Sequence[int], run: TokenRun, settings: GenerationSettings, *,
-                  eos_ids: Sequence[int] = (), cache: KVCache | None = None) -> Iterator[int]:
+                  eos_ids: Sequence[int] = (), cache: KVCache | None = None,
+                  agree: Agree = single_process) -> Iterator[int]:
     """New token ids, one at a time, until EOS (yielded, then stop), max_new_tokens or the context is full.
 
     The prompt is checked and the decoder made now; the model runs as the iterator is consumed. The consumer may
     stop early (a stop string); run.stats then counts only the tokens it took. `cache` is used when large enough
-    (see cache_for); nothing else may use it until the iterator is exhausted or closed.
+    (see cache_for); nothing else may use it until the iterator is exhausted or closed. `agree`: rank 0's value of
+    what it is given, for a sharded model (DecodeContext.agree).
     """
     check_prompt(prompt, model)
-    sampler = Sampler(shared_sampling(model, settings.sampling), model.device, prompt,  # one seed on every rank
+    sampler = Sampler(seeded(settings.sampling, agree), model.device, prompt,  # one seed on every rank
                       model.config.vocab_size)
     ctx = DecodeContext(model, cache_for(model, len(prompt), settings, cache), sampler, list(prompt),
-                        model.config.max_seq_len)
+                        model.config.max_seq_len, agree)
     run.stats.strategy, run.stats.prompt_tokens = settings.strategy.name, len(prompt)
     with torch.inference_mode():
         decoder = fitted_strategy(model, len(prompt), settings).make_decoder(ctx)

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import math
+import secrets
 import time
 import weakref
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
+from torch import nn
 
 from ..invariance import KERNELS_VERSION
 from ..masks import interleaved_step
 from ..memo import processor, read_table, write_entry
 from ..model import Transformer
-from ..parallel.layers import from_rank0, is_leader
-from ..quant import quantization
+from .base import Agree, single_process
 
 
 def measure_step_costs(model: Transformer, sizes: Iterable[int], *, context: int = 256, repeats: int = 3
@@ -77,19 +78,22 @@ class StepCosts:
 _MEASURED: "weakref.WeakKeyDictionary[Transformer, dict[int, float]]" = weakref.WeakKeyDictionary()
 
 
-def step_costs_for(model: Transformer, sizes: Sequence[int], cost_file: str | Path | None = None) -> StepCosts:
-    """Step costs for this model, measured once per process (and per file, when one is given)."""
+def step_costs_for(model: Transformer, sizes: Sequence[int], cost_file: str | Path | None = None, *,
+                   agree: Agree = single_process) -> StepCosts:
+    """Step costs for this model, measured once per process (and per file, when one is given).
+    agree: rank 0's value of what it is given (DecodeContext.agree): the ranks of a sharded model measure together
+    and step by rank 0's figures, which rank 0 alone keeps in the file."""
     known = _MEASURED.setdefault(model, {})
     key = cost_key(model)
     if cost_file is not None and not set(sizes) <= set(known):
         known.update((_read_costs(Path(cost_file)) or {}).get(key, {}))
-    # A sharded model (minilade/parallel) measures on every rank at once and steps by rank 0's figures.
-    missing = from_rank0(model, [T for T in sizes if T not in known])
+    ticket = secrets.randbits(64)  # rank 0 is the one process that gets its own ticket back
+    missing, first_ticket = agree(([T for T in sizes if T not in known], ticket))
     if missing:
         known.update(measure_step_costs(model, sorted(set(missing) | {1})))
-        if cost_file is not None and is_leader(model):
+        if cost_file is not None and first_ticket == ticket:
             _write_costs(Path(cost_file), key, known)
-    return StepCosts(from_rank0(model, {T: known.get(T, 0.0) for T in set(sizes) | {1}}))
+    return StepCosts(agree({T: known.get(T, 0.0) for T in set(sizes) | {1}}))
 
 
 def cost_key(model: Transformer) -> str:
@@ -98,10 +102,16 @@ def cost_key(model: Transformer) -> str:
     (device.make_invariant keeps its verdicts under the same key: they depend on the same things.)"""
     c = model.config
     device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else f"cpu {processor()}"
-    quantized = quantization(model)
+    quantized = quantized_layers(model)
     return (f"L{c.n_layers}-d{c.dim}-h{c.n_heads}/{c.n_kv_heads}-ff{c.intermediate_size}-v{c.vocab_size}|"
             f"{model.dtype}{f' ({quantized})' if quantized else ''}|{device}|threads {torch.get_num_threads()}|"
             f"torch {torch.__version__}|lookahead mask|kernels {KERNELS_VERSION}")
+
+
+def quantized_layers(model: nn.Module) -> str:
+    """How the model's quantized layers compute, in a few words ("" when none is), e.g. "embedding int8 g32, int4 g32
+    bfloat16": each such layer says so itself (`quantized_as`, minilade/quant.py)."""
+    return ", ".join(sorted({layer.quantized_as for layer in model.modules() if hasattr(layer, "quantized_as")}))
 
 
 def _read_costs(path: Path) -> dict[str, dict[int, float]] | None:

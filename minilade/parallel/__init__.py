@@ -13,10 +13,10 @@ same logits and decides the same tokens; the seed and auto's step costs come fro
 """
 
 from .group import TensorParallelError, end_failed_run, init_tensor_parallel, launched_with_ranks, shutdown
-from .layers import from_rank0, is_leader, process_group, quiet_unless_leader, read_on_leader, shared_sampling
+from .layers import from_rank0, is_leader, process_group, quiet_unless_leader, read_on_leader
 from .load import load_shard
 from .plan import ShardPlan, valid_rank_counts
 
 __all__ = ["ShardPlan", "TensorParallelError", "end_failed_run", "from_rank0", "init_tensor_parallel", "is_leader",
-           "launched_with_ranks", "load_shard", "process_group", "quiet_unless_leader", "read_on_leader",
-           "shared_sampling", "shutdown", "valid_rank_counts"]
+           "launched_with_ranks", "load_shard", "process_group", "quiet_unless_leader", "read_on_leader", "shutdown",
+           "valid_rank_counts"]

@@ -7,15 +7,14 @@ A rank's model is minilade/model.py's Transformer built from the rank's ModelCon
 Both collectives copy rather than reduce in a size-dependent order, so every rank holds the same bits after each
 of them: the residual stream, and so the logits every decoder reads, are identical on all ranks. Whatever a
 strategy decides from the logits (accepted tokens, a sampled token from the same seeded generator) is therefore
-decided identically everywhere. The two decisions that do not come from the logits are taken from rank 0:
-the seed when none is given (`shared_sampling`) and auto's measured step costs (`from_rank0`).
+decided identically everywhere. The decisions that do not come from the logits (the seed when none is given,
+auto's measured step costs) are rank 0's: the decoding code is given `from_rank0` for the model as its
+DecodeContext.agree (llm.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import random
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from typing import Callable, Iterator, TypeVar
 
@@ -25,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model import Transformer
-from ..sampling import SamplingParams
 from .group import from_leader, gather_last_dim, ordered_sum
 
 T = TypeVar("T")
@@ -98,19 +96,11 @@ def is_leader(model: nn.Module) -> bool:
     return group is None or dist.get_rank(group) == 0
 
 
-def from_rank0(model: nn.Module, value):
-    """`value` as rank 0 has it, for decisions that do not come from the logits (a measured step cost); the
-    value itself for a single-process model."""
+def from_rank0(model: nn.Module, value: T) -> T:
+    """`value` as rank 0 has it, for decisions that do not come from the logits (a sampling seed, a measured step
+    cost); the value itself for a single-process model."""
     group = process_group(model)
     return value if group is None else from_leader(value, group)
-
-
-def shared_sampling(model: nn.Module, params: SamplingParams) -> SamplingParams:
-    """Sampling settings every rank draws the same tokens with: without a seed, rank 0 picks one for all."""
-    group = process_group(model)
-    if group is None or params.seed is not None or params.greedy:
-        return params
-    return dataclasses.replace(params, seed=from_leader(random.getrandbits(63), group))
 
 
 def read_on_leader(model: nn.Module, read: Callable[[], T]) -> T:

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import minilade.decoding.step_costs as step_costs
 from minilade import LLM
 from minilade.checkpoints import open_checkpoint
 from minilade.decoding import Autoregressive, Lookahead
 from minilade.sampling import SamplingParams
-from tests.helpers import run_tokens, write_tiny_checkpoint
+from tests.helpers import run_tokens, tiny_model, write_tiny_checkpoint
 from tests.parallel.ranks import check_ok, results, run_ranks
 from tests.parallel.reference import GEN_PROMPT, PENALIZED, TEXT_PROMPT, WORDS, lookahead_step, prefill_and_step
 
@@ -60,3 +61,20 @@ def test_unseeded_sampling_on_two_ranks_keeps_the_penalties(tmp_path):
     assert want != one.generate(TEXT_PROMPT, max_new_tokens=12, strategy=Autoregressive()).token_ids  # they matter
     for got in results(tmp_path, 2):
         assert got == {"autoregressive": want, "lookahead": want}
+
+
+def test_a_rank_other_than_0_steps_by_rank_0s_costs_and_keeps_none(monkeypatch, tmp_path):
+    """step_costs_for as a rank other than 0 sees it: its agree hands back rank 0's missing sizes, ticket and
+    figures. It measures with the others (every rank runs each step) but steps by rank 0's figures, and only
+    rank 0 writes the cost file."""
+    measured = []
+    monkeypatch.setattr(step_costs, "measure_step_costs",
+                        lambda model, sizes, **kw: measured.extend(sizes) or {T: 9.0 for T in sizes})
+    rank0 = {tuple: ([1, 4], -1), dict: {1: 0.5, 4: 0.75}}  # rank 0's ticket is no other rank's
+
+    def as_rank1(value):
+        return rank0[type(value)]
+
+    cost_file = tmp_path / "costs.json"
+    costs = step_costs.step_costs_for(tiny_model(vocab=12, seed=1), [4], cost_file, agree=as_rank1)
+    assert sorted(measured) == [1, 4] and costs(4) == 0.75 and not cost_file.exists()

@@ -4,6 +4,7 @@ Each scenario writes what the test compares to FOLDER/rank{R}.pt; errors go to s
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -12,12 +13,13 @@ import torch
 import torch.distributed as dist
 
 from minilade.checkpoints import open_checkpoint
-from minilade.decoding import Auto, Autoregressive, Lookahead
-from minilade.parallel import TensorParallelError, end_failed_run, init_tensor_parallel, shutdown
+from minilade.decoding import (Auto, Autoregressive, GenerationSettings, GenerationStats, Lookahead, Strategy, TokenRun,
+                               decode_tokens)
+from minilade.model import Transformer
+from minilade.parallel import TensorParallelError, end_failed_run, from_rank0, init_tensor_parallel, shutdown
 from minilade.parallel.load import build_rank_model, checkpoint_parts
 from minilade.parallel.plan import ShardPlan
 from minilade.sampling import SamplingParams
-from tests.helpers import run_tokens
 from tests.parallel.reference import GEN_PROMPT, PENALIZED, STEP_COSTS, lookahead_step, prefill_and_step
 
 TIMEOUT_S = float(os.environ.get("TEST_TIMEOUT_S", "20"))  # the process group's timeout
@@ -37,18 +39,24 @@ def logits(folder: str, *checkpoints: str) -> dict:
             for ckpt in checkpoints}
 
 
+def sharded_tokens(model: Transformer, strategy: Strategy, max_new_tokens: int,
+                   sampling: SamplingParams = SamplingParams()) -> list[int]:
+    """GEN_PROMPT's new tokens, decoded as llm.py decodes on a sharded model: rank 0's decisions for all."""
+    settings = GenerationSettings(strategy, sampling, max_new_tokens)
+    run = TokenRun(GenerationStats())
+    return list(decode_tokens(model, GEN_PROMPT, run, settings, agree=functools.partial(from_rank0, model)))
+
+
 def generate(folder: str, ckpt: str) -> dict:
     """Greedy tokens of every strategy, and sampled tokens with and without a seed."""
     model = shard(ckpt, torch.float64)
     strategies = {"autoregressive": Autoregressive(), "lookahead": Lookahead(window=4, ngram=3, guesses=3),
-                  "auto": Auto(window=4, ngram=3, guesses=3)}  # step costs measured
-    out = {name: run_tokens(model, GEN_PROMPT, s, max_new_tokens=30)[0] for name, s in strategies.items()}
-    drafting = Auto(window=4, ngram=3, guesses=3, costs=STEP_COSTS)
-    out["auto-drafting"] = run_tokens(model, GEN_PROMPT, drafting, max_new_tokens=30)[0]
+                  "auto": Auto(window=4, ngram=3, guesses=3),  # step costs measured
+                  "auto-drafting": Auto(window=4, ngram=3, guesses=3, costs=STEP_COSTS)}
+    out = {name: sharded_tokens(model, strategy, 30) for name, strategy in strategies.items()}
     for seed in (7, None):
-        sampling = SamplingParams(temperature=1.0, seed=seed)
-        out[f"sampled-{seed}"] = run_tokens(model, GEN_PROMPT, Lookahead(window=4, ngram=3, guesses=3),
-                                            max_new_tokens=20, sampling=sampling)[0]
+        out[f"sampled-{seed}"] = sharded_tokens(model, Lookahead(window=4, ngram=3, guesses=3), 20,
+                                                SamplingParams(temperature=1.0, seed=seed))
     return out
 
 
@@ -85,7 +93,7 @@ def peer_dies(folder: str, ckpt: str) -> dict:
     model = shard(ckpt, torch.float64)
     if dist.get_rank() == 1:
         os._exit(3)
-    run_tokens(model, GEN_PROMPT, Autoregressive(), max_new_tokens=5)
+    sharded_tokens(model, Autoregressive(), 5)
     return {}
 
 
