@@ -31,6 +31,7 @@ depends on the step's candidates and is built for each step by a few tensor oper
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -136,31 +137,36 @@ class CandidateTree:
         mask = (depth[None, :] <= depth[:, None]) & (ancestors.gather(1, depth.expand(n, n)) == torch.arange(n))
         return cls(candidates.flatten()[flat_nodes], depth, mask, node_of, lengths)
 
+    @classmethod
+    def of(cls, paths: Sequence[Sequence[int]]) -> "CandidateTree":
+        """The trie of paths (each one token or more, of any lengths)."""
+        k = max((len(p) for p in paths), default=1)
+        padded = torch.zeros(len(paths), k, dtype=torch.long)
+        for j, path in enumerate(paths):
+            padded[j, :len(path)] = torch.tensor(path, dtype=torch.long)
+        return cls.build(padded, torch.tensor([len(p) for p in paths], dtype=torch.long))
+
+    @property
+    def n_paths(self) -> int:
+        return self.node_of.shape[0]
+
+    @property
+    def path_length(self) -> int:
+        """k, the longest path's tokens (0 without paths)."""
+        return self.node_of.shape[1] if self.n_paths else 0
+
     @property
     def size(self) -> int:
         return self.tokens.numel()
 
-    @property
-    def max_depth(self) -> int:
-        """Depth of the deepest node + 1: the largest position offset from x a node uses (0 for no nodes)."""
-        return int(self.depth.max()) + 1 if self.size else 0
-
-    def parents(self) -> torch.Tensor:
-        """(n,) each node's parent node, -1 for a node at depth 0 (whose parent is x)."""
-        parent = torch.full((self.size,), -1, dtype=torch.long)
-        deeper = self.depth > 0
-        # A node's ancestors are the visible nodes; its parent is the one at depth - 1.
-        at_parent_depth = self.mask & (self.depth[None, :] == (self.depth - 1)[:, None])
-        parent[deeper] = at_parent_depth[deeper].int().argmax(dim=1)
-        return parent
-
 
 class StepShape:
-    """The fixed base of one kind of step, on the device: the whole window, or only x (a verification step).
+    """The fixed base of one kind of step, on the device: the whole window, or x alone (a step that only verifies).
 
-    A step feeds these n_base rows, then its candidates as a trie (CandidateTree) of cand_len-token prefixes.
-    `read` lists the base rows whose logits are needed: x (unless it is part of the newest level) and the newest
-    level.
+    A step feeds these n_base rows, then its candidates' trie (CandidateTree). `read` lists the rows whose
+    logits are needed, in this order: x (row 0; when N = 2 it is also column 0 of the newest level, and read once),
+    then the newest level's W rows, then every trie node. In the logits of the `read` rows, x's are row 0, the
+    newest level's are `level_logits`, and the nodes' start at `node_logits_from`.
     """
 
     def __init__(self, layout: LookaheadLayout, with_window: bool, device: torch.device) -> None:
@@ -175,16 +181,11 @@ class StepShape:
             newest = []
         self.n_base = self.offsets.numel()
         self.read = ([] if 0 in newest else [0]) + newest
-
-    def max_rows(self, n_candidates: int, cand_len: int) -> int:
-        """Rows fed with this many candidates when they share no prefix (an upper bound)."""
-        return self.n_base + n_candidates * cand_len
-
-    def kind(self, n_candidates: int, cand_len: int) -> str:
-        return f"{'window+' if self.with_window else 'verify '}{n_candidates}x{cand_len}"
+        self.node_logits_from = len(self.read)
+        self.level_logits = slice(self.node_logits_from - len(newest), self.node_logits_from)
 
     def assemble(self, tree: CandidateTree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Mask (T, T), position offsets (T,) and rows to read, for this base followed by the trie's nodes."""
+        """Mask (T, T), position offsets from x (T,) and rows to read, for this base followed by the trie's nodes."""
         n, T = self.n_base, self.n_base + tree.size
         mask = torch.zeros(T, T, dtype=torch.bool, device=self.device)
         mask[:n, :n] = self.mask

@@ -22,6 +22,7 @@ class NGramPool:
         self.ngram = ngram
         self.capacity = capacity
         self._pool: dict[int, dict[tuple[int, ...], bool]] = {}  # key -> continuation -> made by the window only
+        self.text_read = 0  # add_text: the n-grams of the text that begin before this index are in the pool
 
     def __len__(self) -> int:
         return sum(len(conts) for conts in self._pool.values())
@@ -40,10 +41,19 @@ class NGramPool:
         return self._pool.get(key, {}).get(continuation, False)
 
     def add_ngrams(self, tokens: Sequence[int], start: int = 0) -> None:
-        """Add every n-gram of `tokens` that ends at index >= start + N - 1 (that is, begins at >= start)."""
+        """Add every n-gram of `tokens` that begins at index >= start."""
         n = self.ngram
         for i in range(start, len(tokens) - n + 1):
             self.add(tokens[i], tuple(tokens[i + 1:i + n]))
+
+    def add_text(self, text: Sequence[int]) -> None:
+        """Add the n-grams the text gained since the last add_text or skip_text (the text only grows)."""
+        self.add_ngrams(text, self.text_read)
+        self.skip_text(text)
+
+    def skip_text(self, text: Sequence[int]) -> None:
+        """Mark the text's n-grams so far as read without adding them."""
+        self.text_read = max(0, len(text) - self.ngram + 1)
 
     def candidates(self, key: int, limit: int) -> list[tuple[int, ...]]:
         """Up to `limit` continuations of `key`, most recently seen first."""

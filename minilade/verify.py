@@ -8,9 +8,56 @@ and a wholly accepted path is still followed by the model's next token (the bonu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from .masks import CandidateTree
 from .sampling import Sampler
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What verification decided in one step, on the host.
+
+    emitted: the step's tokens (the accepted candidate tokens, then the model's next token). winner: the index of
+    the accepted candidate (meaningful when n_accepted > 0). matches: per candidate, its leading tokens equal to
+    the model's argmax chain (what a greedy walk would accept; the draft calibration learns from it).
+    """
+
+    emitted: list[int]
+    winner: int
+    n_accepted: int
+    matches: list[int]
+
+
+def verify_tree(sampler: Sampler, x_logits: torch.Tensor, node_logits: torch.Tensor, tree: CandidateTree,
+                max_accepted: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Verify a trie of candidates against the model's logits; everything stays on the device.
+
+    x_logits: (V,) after the input token x; node_logits: (n, V) after each trie node. Each candidate token is
+    judged by its node's logits, penalized (when penalties are set) with its own history: the committed text and
+    the candidate up to that token, as plain decoding would have it had it emitted them. max_accepted caps the
+    accepted tokens (the published reference's N - 1; None: no cap). Returns (winner, n_accepted, matches (g,),
+    chain (K + 1,)): the step emits chain[:n_accepted + 1].
+    """
+    device = x_logits.device
+    first_logits = sampler.penalize(x_logits)
+    first_choice = first_logits.argmax(-1)
+    if tree.n_paths == 0:
+        zero = first_choice.new_zeros(())
+        token = first_choice if sampler.greedy else sampler.draw(sampler.probs(first_logits))
+        return zero, zero, first_choice.new_zeros(0), token.view(1)
+    node_of, lengths = tree.node_of.to(device), tree.lengths.to(device)
+    candidates = tree.tokens[tree.node_of].to(device)  # (g, K), past a candidate's end: its last token again
+    cand_logits = sampler.penalize(node_logits[node_of], candidates)  # (g, K, V)
+    best, n_accepted, chain, matches = greedy_verify(first_choice, candidates, cand_logits.argmax(-1), lengths)
+    if not sampler.greedy:
+        best, n_accepted, chain = sample_verify(sampler.probs(first_logits), candidates, cand_logits, sampler,
+                                                lengths=lengths)
+    if max_accepted is not None:
+        n_accepted = n_accepted.clamp(max=max_accepted)
+    return best, n_accepted, matches, chain
 
 
 def greedy_verify(first: torch.Tensor, candidates: torch.Tensor, choices: torch.Tensor,

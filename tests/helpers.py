@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from minilade.config import ModelConfig
-from minilade.decoding import GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens
+from minilade.decoding import (Autoregressive, GenerationSettings, GenerationStats, Strategy, TokenRun,
+                               decode_tokens)
+from minilade.decoding.step_costs import StepCosts
 from minilade.invariance import apply_exact_attention
 from minilade.model import Transformer
 from minilade.sampling import SamplingParams, TokenHistory, warp
@@ -31,6 +33,29 @@ def run_tokens(model: Transformer, prompt: Sequence[int], strategy: Strategy, *,
     settings = GenerationSettings(strategy, sampling, max_new_tokens)
     tokens = list(decode_tokens(model, prompt, run, settings, eos_ids=eos_ids))
     return tokens, run
+
+
+def checked_runs(model, seed: int, strategies: list, trials: int = 3, max_new_tokens: int = 48) -> list:
+    """(strategy, run) of every strategy on `trials` random prompts, each output asserted equal to autoregressive."""
+    gen = torch.Generator().manual_seed(seed)
+    runs = []
+    for trial in range(trials):
+        length = int(torch.randint(1, 24, (1,), generator=gen))
+        prompt = torch.randint(0, model.config.vocab_size, (length,), generator=gen).tolist()
+        expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=max_new_tokens)
+        for strategy in strategies:
+            got, run = run_tokens(model, prompt, strategy, max_new_tokens=max_new_tokens)
+            assert got == expected, (prompt, strategy)
+            runs.append((strategy, run))
+    return runs
+
+
+def costs_of(seconds: Callable[[int], float]) -> StepCosts:
+    """Step costs given by a formula instead of measured (every size a test step can feed)."""
+    return StepCosts({T: seconds(T) for T in range(1, 128)})
+
+
+FLAT_COSTS = costs_of(lambda T: 1.0)  # every step costs the same: auto feeds its whole budget
 
 
 def write_tiny_checkpoint(folder: Path, words: str, max_positions: int, chat_template: str | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from minilade.masks import CandidateTree, LookaheadLayout, StepShape
@@ -49,7 +50,17 @@ def test_a_verification_step_is_x_and_the_trie() -> None:
     mask, offsets, read = shape.assemble(CandidateTree.build(torch.tensor([[1, 2], [1, 3]])))
     assert render(mask) == ["o...", "oo..", "ooo.", "oo.o"]
     assert offsets.tolist() == [0, 1, 2, 2] and read.tolist() == [0, 1, 2, 3]
-    assert shape.max_rows(2, 2) == 5 and shape.kind(2, 2) == "verify 2x2"
+    assert (shape.read, shape.level_logits, shape.node_logits_from) == ([0], slice(1, 1), 1)
+
+
+@pytest.mark.parametrize("W,N,read,level", [(3, 2, [0, 1, 2], slice(0, 3)), (2, 3, [0, 2, 3], slice(1, 3)),
+                                            (2, 4, [0, 4, 5], slice(1, 3))])
+def test_the_rows_read_are_x_then_the_newest_level(W: int, N: int, read: list, level: slice) -> None:
+    """x's logits are read once even when it is column 0 of the newest level (N = 2); the newest level's W
+    rows follow it, then the trie's nodes."""
+    shape = StepShape(LookaheadLayout(W, N, 1), with_window=True, device=torch.device("cpu"))
+    assert (shape.read, shape.level_logits, shape.node_logits_from) == (read, level, len(read))
+    assert LookaheadLayout(W, N, 1).last_level_rows().tolist() == read[level]
 
 
 def test_window_rows_see_a_chain_of_consecutive_positions() -> None:
@@ -88,8 +99,6 @@ def test_ragged_candidates_share_prefixes_and_stop_at_their_ends() -> None:
     assert tree.tokens.tolist() == [5, 6, 7, 9, 1, 2, 3]  # [5 6] is a prefix of [5 6 7]: no row of its own
     assert tree.depth.tolist() == [0, 1, 2, 1, 2, 3, 0]
     assert tree.node_of.tolist() == [[0, 1, 2, 2], [0, 1, 1, 1], [0, 3, 4, 5], [6, 6, 6, 6]]  # ends repeat
-    assert tree.parents().tolist() == [-1, 0, 1, 0, 3, 4, -1]
-    assert tree.max_depth == 4
     assert render(tree.mask) == [
         "o......",
         "oo.....",
@@ -102,6 +111,13 @@ def test_ragged_candidates_share_prefixes_and_stop_at_their_ends() -> None:
     shape = StepShape(LookaheadLayout(2, 3, 4), with_window=False, device=torch.device("cpu"))
     _, offsets, _ = shape.assemble(tree)
     assert offsets.tolist() == [0, 1, 2, 3, 2, 3, 4, 1]  # a path's token i sits at x's position + 1 + i
+
+
+def test_a_trie_of_paths_of_any_lengths() -> None:
+    tree = CandidateTree.of([(1, 2, 3), (4,)])
+    assert tree.lengths.tolist() == [3, 1] and tree.node_of.tolist() == [[0, 1, 2], [3, 3, 3]]
+    assert (tree.n_paths, tree.path_length) == (2, 3)
+    assert (CandidateTree.of([]).n_paths, CandidateTree.of([]).path_length, CandidateTree.of([]).size) == (0, 0, 0)
 
 
 def test_padding_never_makes_rows_even_when_it_equals_a_token() -> None:
@@ -117,3 +133,38 @@ def test_candidate_lengths_out_of_range_are_refused() -> None:
             assert "lengths must be in 1..2" in str(e)
         else:
             raise AssertionError(f"lengths {lengths} accepted")
+
+
+def trie_by_loops(paths: list[list[int]]) -> tuple[list[int], list[int], list[list[bool]], list[list[int]]]:
+    """CandidateTree written as loops: tokens, depths, mask and node_of of the trie of `paths`."""
+    tokens, depth, parent, child, node_of = [], [], [], {}, []
+    for path in paths:
+        node, nodes = -1, []
+        for token in path:
+            if (node, token) not in child:
+                child[(node, token)] = len(tokens)
+                tokens.append(token)
+                depth.append(len(nodes))
+                parent.append(node)
+            node = child[(node, token)]
+            nodes.append(node)
+        node_of.append(nodes + [nodes[-1]] * (max(map(len, paths)) - len(nodes)))
+    mask = [[False] * len(tokens) for _ in tokens]
+    for row in range(len(tokens)):
+        node = row
+        while node >= 0:  # a node sees itself and its ancestors
+            mask[row][node] = True
+            node = parent[node]
+    return tokens, depth, mask, node_of
+
+
+def test_the_trie_equals_its_loop_form() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        g, k, vocab = (int(torch.randint(1, n, (1,), generator=gen)) for n in (7, 6, 4))
+        paths = [torch.randint(vocab, (int(torch.randint(1, k + 1, (1,), generator=gen)),), generator=gen).tolist()
+                 for _ in range(g)]
+        tree = CandidateTree.of(paths)
+        tokens, depth, mask, node_of = trie_by_loops(paths)
+        assert tree.tokens.tolist() == tokens and tree.depth.tolist() == depth, paths
+        assert tree.mask.tolist() == mask and tree.node_of.tolist() == node_of, paths

@@ -145,3 +145,78 @@ def test_sample_verify_ragged_stops_at_the_end_of_the_accepted_path() -> None:
     best, n, emitted, draws = verify_ragged([0.9, 0.0, 0.0, 0.0])
     assert (best, n) == (1, 2) and emitted[:2] == [2, 0]
     torch.testing.assert_close(draws[0], D3.softmax(-1))
+
+
+# ---- the vectorised verifiers against their loop forms ----------------------------------------------------------
+
+def greedy_by_loops(first: int, candidates: list[list[int]], choices: list[list[int]], lengths: list[int]
+                    ) -> tuple[int, int, list[int]]:
+    """greedy_verify as loops: the candidate with the longest prefix equal to the model's chain (the earliest
+    among equals), its accepted count and the tokens the step emits."""
+    best, best_n = 0, -1
+    for j, (candidate, choice) in enumerate(zip(candidates, choices)):
+        chain, n = [first] + choice, 0
+        while n < lengths[j] and candidate[n] == chain[n]:
+            n += 1
+        if n > best_n:
+            best, best_n = j, n
+    return best, best_n, ([first] + choices[best])[:best_n + 1]
+
+
+def sample_by_loops(probs0, candidates, cand_logits, sampler, lengths) -> tuple[int, int, list[int]]:
+    """sample_verify as loops (Lookahead Decoding, Algorithm 4): at each position try the distinct tokens of the
+    candidates still alive, in candidate order; accept token t with probability p(t) over the mass not yet
+    rejected, else remove its mass; after an acceptance p is the model's distribution after it; when every
+    token is rejected (or every alive candidate has ended) draw from what is left."""
+    g, K = candidates.shape
+    uniforms = sampler.uniform(g * K, "cpu").view(K, g)
+    p, alive, best, n = probs0, [True] * g, 0, 0
+    for i in range(K):
+        tried, rejected_mass, winner = [], 0.0, None
+        for j in range(g):
+            token = int(candidates[j, i])
+            if not alive[j] or i >= lengths[j] or token in tried:
+                continue
+            tried.append(token)
+            if float(uniforms[i, j]) * max(1.0 - rejected_mass, 1e-30) < float(p[token]):
+                winner = j
+                break
+            rejected_mass += float(p[token])
+        if winner is None:
+            residual = p.index_fill(0, torch.tensor(tried, dtype=torch.long), 0.0)
+            p = residual / residual.sum().clamp_min(1e-30)
+            break
+        best, n = winner, n + 1
+        alive = [alive[j] and i < lengths[j] and int(candidates[j, i]) == int(candidates[winner, i])
+                 for j in range(g)]
+        p = sampler.probs(cand_logits[winner, i])
+    return best, n, candidates[best, :n].tolist() + [int(sampler.draw(p))]
+
+
+def random_case(gen: torch.Generator, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates (g, K) over a small vocabulary, so that they share tokens, and their lengths (g,)."""
+    g, K = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, 5, (1,), generator=gen))
+    return torch.randint(vocab, (g, K), generator=gen), torch.randint(1, K + 1, (g,), generator=gen)
+
+
+def test_greedy_verify_equals_its_loop_form() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        candidates, lengths = random_case(gen, vocab=3)
+        choices = torch.randint(3, candidates.shape, generator=gen)
+        first = int(torch.randint(3, (1,), generator=gen))
+        best, n, chain, _ = greedy_verify(torch.tensor(first), candidates, choices, lengths)
+        expected = greedy_by_loops(first, candidates.tolist(), choices.tolist(), lengths.tolist())
+        assert (int(best), int(n), chain[:int(n) + 1].tolist()) == expected
+
+
+def test_sample_verify_equals_its_loop_form() -> None:
+    gen = torch.Generator().manual_seed(1)
+    for case in range(300):
+        candidates, lengths = random_case(gen, vocab=4)
+        x_logits = torch.randn(V, generator=gen)
+        cand_logits = torch.randn(*candidates.shape, V, generator=gen) * 2
+        vectorised, loops = (Sampler(SamplingParams(temperature=1.0, seed=case)) for _ in range(2))
+        best, n, emitted = sample_verify(vectorised.probs(x_logits), candidates, cand_logits, vectorised, lengths)
+        expected = sample_by_loops(loops.probs(x_logits), candidates, cand_logits, loops, lengths.tolist())
+        assert (int(best), int(n), emitted[:int(n) + 1].tolist()) == expected

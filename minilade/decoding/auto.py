@@ -3,18 +3,19 @@
 Lookahead trades compute per step for fewer steps, which pays only where a step of many tokens costs little
 more than a step of one. So the strategy measures that cost on the loaded model (`measure_step_costs`, a few
 forward passes, memoised per model and optionally kept in a file) and, every step:
-1. gathers draft paths from every source (minilade/drafts/): suffix drafts of any length from the text and, when
+1. gathers draft paths from its sources (minilade/drafts/): suffix drafts of any length from the text and, when
    given a DraftHistory, from the model's answers to earlier prompts; the n-gram pool's candidates (from the text
-   and from the lookahead window); when on, a tree recycled from the model's own top-k outputs and the window's
-   own chain of freshest guesses; all merged into one trie (DraftTree);
+   and from the lookahead window); when on, a tree recycled from the model's own top-k outputs; all merged into
+   one trie (DraftTree);
 2. scores every node with its chance of being accepted, the product of its path's calibrated conditional chances
    (Calibration, learnt online from every verification and seeded by replaying the prompt);
 3. feeds x and the b most likely nodes (ancestors first; the expected number of accepted tokens is the sum of
    their chances), with or without the W x (N-1) window, choosing b and the window to maximise expected tokens
    per second under the measured cost curve and the draft budget. b = 0 without the window is a plain step, so
    switching the strategy on is safe where nothing pays.
-The window's worth is the tokens later accepted from n-grams only it produced (and from its chain), per step
-that ran it.
+It is built from the paper's pieces (lookahead.py: the Jacobi window, the pool, the packed step with its
+verification) and the draft sources. The window's worth is the tokens later accepted from n-grams only it
+produced, per step that ran it.
 """
 
 from __future__ import annotations
@@ -22,35 +23,51 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+
 from ..drafts.history import DraftHistory
-from ..drafts.sources import history_paths, pool_paths, replay_calibration, suffix_paths, text_sources
+from ..drafts.recycle import RecycleTable
+from ..drafts.sources import (DraftSource, HistoryDrafts, PoolDrafts, RecycledDrafts, SuffixDrafts,
+                              replay_calibration, text_sources)
+from ..drafts.suffix import SuffixIndex
 from ..drafts.tree import Calibration, DraftPath, DraftTree
-from .base import DecodeContext, Decoder, Step
-from .lookahead import Lookahead, LookaheadDecoder, StepShape, Verdict, whole_number
+from ..masks import CandidateTree, StepShape
+from ..verify import Verdict
+from .base import DecodeContext, Decoder, Step, StepKind, Strategy, option, whole_number
+from .lookahead import JacobiWindow, WindowAndPool, packed_step, text_pool, window_fits
 from .step_costs import StepCosts, step_costs_for
 
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # step sizes measured for the cost curve
 # Conditional chances of a draft token being right, by source, before any evidence.
-PRIORS = {"suffix": 0.5, "history": 0.3, "pool": 0.2, "window": 0.15, "recycle": 0.15, "chain": 0.15}
+PRIORS = {"suffix": 0.5, "history": 0.3, "pool": 0.2, "window": 0.15, "recycle": 0.15}
 PROMPT_REPLAY = 384  # prompt positions replayed to seed the calibration
 RECYCLE_WIDTHS = (None, 2, 1, 1)  # children per node at each depth of the recycled tree (None: all k)
 
 
 @dataclass(frozen=True)
-class Auto(Lookahead):
+class Auto(WindowAndPool, Strategy):
     """Lookahead with every step shaped from measured step costs and calibrated draft chances.
 
-    window, ngram, guesses: the window and pool it may use. suffix_draft, suffix_branches: as for Lookahead, but
-    on by default. draft_budget: the most rows one step feeds (None: (W + G)(N - 1), the W, N, G step's).
+    window, ngram, guesses, pool_from_prompt, pool_capacity, seed: the window and pool it may use (WindowAndPool).
+    suffix_draft: the longest suffix draft (0: none); suffix_branches: at most this many a step.
+    recycle_topk: keep the model's top-k next tokens after every token it reads (a (V, k) table) and draft a tree
+    from it (0: off). draft_budget: the most rows one step feeds (None: (W + G)(N - 1), the W, N, G step's).
     cost_file: where measured step costs are kept between runs (None: measured once per process and model).
     costs: step costs to use instead of measuring (benchmarks and tests).
     history: earlier answers to draft from as well (suffix_draft tokens, suffix_branches drafts); each generation
     adds its own new tokens to it when it ends, unless it is frozen. Shared by every generation given it.
     """
 
-    suffix_draft: int = 16
-    suffix_branches: int = 4
-    draft_budget: int | None = None
+    suffix_draft: int = field(default=16, metadata=option(
+        "verify drafts of up to L tokens copied from where the text's ending occurred before (0 = off)",
+        "--suffix-draft", metavar="L"))
+    suffix_branches: int = field(default=4, metadata=option(
+        "at most B suffix drafts a step, from occurrences that disagree", "--suffix-branches", metavar="B"))
+    recycle_topk: int = field(default=0, metadata=option(
+        "also draft from the model's own top-K next tokens after every token it read (token recycling, a "
+        "(vocabulary x K) table; 0 = off)", "--recycle-topk", metavar="K"))
+    draft_budget: int | None = field(default=None, metadata=option(
+        "the most rows one step feeds (default: (W + G) * (N - 1))", "--draft-budget", metavar="ROWS"))
     cost_file: str | None = None
     costs: StepCosts | None = field(default=None, compare=False, repr=False)
     history: DraftHistory | None = field(default=None, compare=False, repr=False)
@@ -58,6 +75,9 @@ class Auto(Lookahead):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        whole_number(self.suffix_draft, "suffix_draft (longest suffix draft, 0 = off)", minimum=0)
+        whole_number(self.suffix_branches, "suffix_branches (suffix drafts per step)", minimum=1)
+        whole_number(self.recycle_topk, "recycle_topk (recycled next tokens per token, 0 = off)", minimum=0)
         if self.draft_budget is not None:
             whole_number(self.draft_budget, "draft_budget (rows per step)", minimum=1)
         if self.history is not None and not isinstance(self.history, DraftHistory):
@@ -117,88 +137,108 @@ class Plan:
     expected: float    # tokens the step is expected to emit
 
 
-class AutoDecoder(LookaheadDecoder):
+def draft_sources(settings: Auto, pool, suffix: SuffixIndex, ctx: DecodeContext) -> list[DraftSource]:
+    """Auto's sources, in the order their paths are merged (suffix drafts first: ties in chance go to them)."""
+    sources: list[DraftSource] = []
+    if settings.suffix_draft:
+        sources.append(SuffixDrafts(suffix, settings.suffix_draft, settings.suffix_branches))
+        if settings.history is not None:
+            sources.append(HistoryDrafts(settings.history, settings.suffix_draft, settings.suffix_branches))
+    if settings.guesses:
+        sources.append(PoolDrafts(pool, settings.guesses))
+    if settings.recycle_topk:
+        table = RecycleTable(ctx.model.config.vocab_size, settings.recycle_topk, ctx.device)
+        sources.append(RecycledDrafts(table, RECYCLE_WIDTHS))
+    return sources
+
+
+class AutoDecoder(Decoder):
     EXPLORE_EVERY = 32  # plain steps in a row before a cheap probe (the most likely node alone)
     DECAY = 0.97  # per step, for the window's running credit
 
     def __init__(self, ctx: DecodeContext, settings: Auto) -> None:
-        super().__init__(ctx, settings)
-        self.budget = settings.budget
-        self.history, self.prompt_length = settings.history, len(ctx.tokens)
-        self.verify_shape = StepShape(self.layout, with_window=False, device=ctx.device)
-        sizes = {T for T in COST_SIZES if T <= self.budget} | {self.budget}
-        if self.full_shape.n_base <= self.budget:
-            sizes |= {self.full_shape.n_base, min(self.budget, self.full_shape.n_base + self.layout.guesses)}
-        self.costs = settings.costs or step_costs_for(ctx.model, sorted(sizes), settings.cost_file)
+        super().__init__(ctx)
+        self.layout = layout = settings.layout
+        self.budget, self.history, self.prompt_length = settings.budget, settings.history, len(ctx.tokens)
+        self.window = JacobiWindow(layout, ctx.tokens, settings.seed)
+        self.pool = text_pool(layout.ngram, settings.pool_capacity or max(layout.guesses, 1), ctx.tokens,
+                              settings.pool_from_prompt)
+        self.window_shape = StepShape(layout, with_window=True, device=ctx.device)
+        self.verify_shape = StepShape(layout, with_window=False, device=ctx.device)
+        suffix = SuffixIndex()
+        self.sources = draft_sources(settings, self.pool, suffix, ctx)
+        self.costs = settings.costs or step_costs_for(ctx.model, self.cost_sizes(), settings.cost_file)
         self.calibration = Calibration(PRIORS)
         start = max(0, len(ctx.tokens) - PROMPT_REPLAY)
-        self.suffix.update(ctx.tokens[:start])
+        suffix.update(ctx.tokens[:start])
         replay_calibration(self.calibration, ctx.tokens, start,
-                           text_sources(self.layout.ngram, self.layout.guesses, self.suffix_draft,
-                                        self.suffix_branches, self.suffix))
+                           text_sources(layout.ngram, layout.guesses, settings.suffix_draft,
+                                        settings.suffix_branches, suffix))
         # The window's worth: tokens accepted from candidates only the window made, per step that ran it.
         self.window_credit, self.window_steps = 0.5, 1.0  # a prior of half a token per window step
         self.since_verify = 0
 
+    def cost_sizes(self) -> list[int]:
+        sizes = {T for T in COST_SIZES if T <= self.budget} | {self.budget}
+        n_window = self.layout.n_window_rows
+        if n_window <= self.budget:
+            sizes |= {n_window, min(self.budget, n_window + self.layout.guesses)}
+        return sorted(sizes)
+
     def step(self) -> Step:
-        room = self.room()
+        ctx = self.ctx
+        room = ctx.limit - 1 - ctx.cache.length  # the longest draft whose positions stay inside the context
         if room < 1:
             return self.single_step()
-        tree = DraftTree.merge(self.draft_paths(room), self.calibration, max_depth=room)
+        self.pool.add_text(ctx.tokens)
+        paths = [path for source in self.sources for path in source.paths(ctx.tokens, room)]
+        tree = DraftTree.merge(paths, self.calibration, max_depth=room)
         plan = self.choose(tree)
         self.window_credit *= self.DECAY
         self.window_steps *= self.DECAY
         if not plan.nodes and not plan.with_window:
             self.since_verify += 1
-            step = self.single_step()
-            self.moved(1)
-            return step
+            return self.single_step()
         self.since_verify = 0
-        paths = tree.paths(plan.nodes)
-        shape = self.window_shape() if plan.with_window else self.verify_shape
-        step = self.run_step(shape, [p.tokens for p in paths])
-        self._learn(plan, paths, step.detail)
-        return step
+        return self.drafted_step(plan, tree.paths(plan.nodes))
 
-    def draft_paths(self, room: int) -> list[DraftPath]:
-        """Every source's paths for this step (suffix drafts first: ties in chance go to them)."""
-        tokens = self.ctx.tokens
-        out = suffix_paths(self.suffix, tokens, min(self.suffix_draft, room), self.suffix_branches) \
-            if self.suffix_draft else []
-        if self.history is not None and self.suffix_draft:
-            out += history_paths(self.history, tokens, min(self.suffix_draft, room), self.suffix_branches)
-        if self.layout.guesses:
-            self.candidates(0)  # pools the n-grams the text gained
-            out += pool_paths(self.pool, tokens[-1], self.layout.guesses)
-        if self.recycled is not None:
-            widths = tuple(w or self.recycled.k for w in RECYCLE_WIDTHS)[:room]
-            out += self.recycled.paths(tokens[-1], widths)
-        chain = self.window_chain()[:room] if self.window_chain_on else ()
-        if chain:
-            out.append(DraftPath(chain, tuple(("chain", i) for i in range(len(chain)))))
-        return out
+    def drafted_step(self, plan: Plan, paths: list[DraftPath]) -> Step:
+        """One packed step over x (and the window, when the plan has it) and the chosen paths' trie."""
+        x = self.ctx.tokens[-1]
+        shape = self.window_shape if plan.with_window else self.verify_shape
+        base = self.window.rows(x) if plan.with_window else torch.tensor([x])
+        tree = CandidateTree.of([p.tokens for p in paths])
+        verdict, new_level = packed_step(self.ctx, shape, base, tree, observe=self.observe)
+        emitted = self.emit(verdict.emitted)
+        if plan.with_window:
+            for ngram in self.window.advance(new_level):
+                self.pool.add(ngram[0], ngram[1:], from_window=True)
+        self.learn(plan, paths, verdict)
+        kind = StepKind(window=plan.with_window, paths=tree.n_paths, depth=tree.path_length)
+        return Step(emitted, kind, shape.n_base + tree.size, verdict)
+
+    def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        for source in self.sources:
+            source.observe(tokens, logits)
 
     def finish(self, handed_out: int) -> None:
         if self.history is not None:
             self.history.add(self.ctx.tokens[self.prompt_length:self.prompt_length + handed_out])
 
-    @property
-    def window_gain(self) -> float:
-        return self.window_credit / self.window_steps
-
     def choose(self, tree: DraftTree) -> Plan:
         """The plan with the most expected tokens per second: b nodes, with or without the window."""
         ranked = tree.ranked()
-        window_rows = None if self.near_end_of_context() else self.full_shape.n_base
+        window_rows = self.window_shape.n_base if window_fits(self.ctx, self.layout) else None
+        window_gain = self.window_credit / self.window_steps
         with_window, b, expected = best_plan([tree.chance[i] for i in ranked], self.costs, self.budget, window_rows,
-                                             self.window_gain)
+                                             window_gain)
         if not b and not with_window and ranked and self.since_verify >= self.EXPLORE_EVERY:
             return Plan(False, ranked[:1], 2, 1.0 + tree.chance[ranked[0]])  # a probe keeps the estimates alive
         return Plan(with_window, ranked[:b], (window_rows if with_window else 1) + b, expected)
 
-    def _learn(self, plan: Plan, paths: list[DraftPath], verdict: Verdict) -> None:
+    def learn(self, plan: Plan, paths: list[DraftPath], verdict: Verdict) -> None:
         self.calibration.learn(paths, verdict.matches)
         self.window_steps += plan.with_window
         if verdict.n_accepted:
             keys = paths[verdict.winner].keys[:verdict.n_accepted]
-            self.window_credit += sum(source in ("window", "chain") for source, _ in keys)
+            self.window_credit += sum(source == "window" for source, _ in keys)

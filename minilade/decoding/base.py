@@ -57,17 +57,35 @@ class DecodeContext:
 
 
 @dataclass(frozen=True)
+class StepKind:
+    """The shape of a step: whether it ran the lookahead window, and how many draft paths (of up to `depth`
+    tokens) it verified. StepKind() is a plain one-token step."""
+
+    window: bool = False
+    paths: int = 0
+    depth: int = 0
+
+    @property
+    def plain(self) -> bool:
+        return not self.window and not self.paths
+
+    def __str__(self) -> str:
+        if self.plain:
+            return "single"
+        return f"{'window+' if self.window else 'verify '}{self.paths}x{self.depth}"
+
+
+@dataclass(frozen=True)
 class Step:
     """What one forward pass of a decoder did.
 
     tokens: the tokens it emits (at least one), already appended to the context's tokens.
-    kind: the kind of step in a few words ("single", "window+5x4", ...), counted in the statistics.
-    fed: rows put through the model. detail: whatever else the decoder wants to keep about it (for lookahead,
-    the verification outcome); the loop ignores it.
+    kind: its shape, counted in the statistics. fed: rows put through the model.
+    detail: whatever else the decoder wants to keep about it (for lookahead, the Verdict); the loop ignores it.
     """
 
     tokens: list[int]
-    kind: str
+    kind: StepKind
     fed: int
     detail: Any = None
 
@@ -84,7 +102,7 @@ class Decoder(ABC):
         rows = torch.tensor([n - 1], device=ctx.device)
         logits = ctx.model(tokens, torch.arange(n, device=ctx.device), ctx.cache, logits_rows=rows)
         ctx.cache.commit(n)
-        return Step(self.emit([int(ctx.sampler.pick(ctx.sampler.penalize(logits[0, -1])))]), "prefill", n)
+        return Step(self.emit([int(ctx.sampler.pick(ctx.sampler.penalize(logits[0, -1])))]), StepKind(), n)
 
     @abstractmethod
     def step(self) -> Step:
@@ -106,7 +124,7 @@ class Decoder(ABC):
         tokens = torch.tensor([ctx.tokens[-1:]], device=ctx.device)
         logits = ctx.model(tokens, torch.tensor([pos], device=ctx.device), ctx.cache)
         ctx.cache.commit(1)
-        return Step(self.emit([int(ctx.sampler.pick(ctx.sampler.penalize(logits[0, -1])))]), "single", 1)
+        return Step(self.emit([int(ctx.sampler.pick(ctx.sampler.penalize(logits[0, -1])))]), StepKind(), 1)
 
 
 class Strategy(ABC):
@@ -137,3 +155,16 @@ class Strategy(ABC):
                              f"of {context}; choose a smaller window (-W), n-gram size (-N) or number of guesses "
                              f"(-G), or strategy auto, which fits its steps to the context")
         return self
+
+
+def whole_number(value: object, what: str, minimum: int) -> None:
+    """A one-line ValueError unless value is an int (not a bool) >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{what} must be a whole number >= {minimum}, got {value!r}")
+
+
+def option(help: str, *flags: str, metavar: str | None = None) -> dict[str, Any]:
+    """Metadata that makes a settings dataclass's field a command-line option (cli.py): its help, its flags
+    (default --field-name) and metavar. The field's default is the option's default; a bool field is a switch that
+    sets the opposite of its default."""
+    return {"help": help, "flags": flags, "metavar": metavar}

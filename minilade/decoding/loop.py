@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -32,7 +32,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     tokens_per_step: Counter = field(default_factory=Counter)  # tokens emitted by a step -> number of such steps
-    step_kinds: Counter = field(default_factory=Counter)  # the decoder's name for a kind of step -> count
+    step_kinds: Counter = field(default_factory=Counter)  # StepKind -> steps of that kind
     tokens_fed: int = 0  # tokens put through the model by the decoding steps (prefill excluded)
 
     @property
@@ -76,9 +76,9 @@ class GenerationStats:
                 + (f", tokens/step histogram {hist}" if hist else "") + (f", steps: {kinds}" if kinds else ""))
 
     def as_dict(self) -> dict:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}  # asdict would turn StepKind keys into dicts
         d["tokens_per_step"] = {int(k): v for k, v in sorted(self.tokens_per_step.items())}
-        d["step_kinds"] = dict(self.step_kinds.most_common())
+        d["step_kinds"] = {str(k): v for k, v in self.step_kinds.most_common()}
         d.update(forward_passes=self.forward_passes, compression=self.compression, tokens_per_s=self.tokens_per_s,
                  step_ms=self.step_ms, tokens_fed_per_step=self.tokens_fed_per_step)
         return d

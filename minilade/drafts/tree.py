@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-import torch
-
 Key = tuple[str, Hashable]  # (source, bucket)
 
 
@@ -131,12 +129,3 @@ class DraftTree:
                 i = self.parent[i]
             out.append(DraftPath(tuple(reversed(tokens)), tuple(reversed(keys))))
         return out
-
-
-def padded_tokens(paths: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g, K) tokens padded with 0 and (g,) lengths, K the longest path (at least 1). Paths must not be empty."""
-    K = max((len(p) for p in paths), default=1)
-    tokens = torch.zeros(len(paths), K, dtype=torch.long)
-    for j, p in enumerate(paths):
-        tokens[j, :len(p)] = torch.tensor(p, dtype=torch.long)
-    return tokens, torch.tensor([len(p) for p in paths], dtype=torch.long)

@@ -93,7 +93,7 @@ STEP_COST_SOURCE = "minilade.decoding.step_costs.measure_step_costs"
 
 def auto_setting(text: str) -> tuple[Setting, dict[str, int]] | None:
     """'none' (no auto row), or 'W,N,G[:field=value,...]': auto's largest step and other Auto fields, e.g.
-    7,5,7:recycle_topk=2 (values are whole numbers; 0/1 switch the window options). history=H gives auto a
+    7,5,7:recycle_topk=2 (values are whole numbers). history=H gives auto a
     DraftHistory seeded with plain decoding's answers to H other prompts of each dataset (seeded_history)."""
     if text == "none":
         return None

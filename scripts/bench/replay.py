@@ -2,7 +2,7 @@
 
     python -m scripts.bench.replay record --ar bench_out/replay/ar.json      # runs the model once (greedy)
     python -m scripts.bench.replay rank --ar bench_out/replay/ar.json        # replays every policy, no model
-    python -m scripts.bench.replay live --strategies auto:7,5,7 lookahead:5,5,5:suffix_draft=16   # confirm
+    python -m scripts.bench.replay live --strategies auto:7,5,7 auto:5,5,5:recycle_topk=8   # confirm
 
 `live` runs strategies on the real model over the saved prompts and reports compression, rows fed per step and
 whether every output equals the saved plain output (token counts only, no timing: the decode benchmark times).
@@ -270,7 +270,7 @@ def write_outputs(args: argparse.Namespace, command: str, results: list[dict], l
 
 
 def parse_strategy(text: str) -> Strategy:
-    """NAME:W,N,G[:field=value,...], e.g. lookahead:5,5,5:suffix_draft=16,recycle_topk=2."""
+    """NAME:W,N,G[:field=value,...], e.g. auto:5,5,5:suffix_draft=16,recycle_topk=2."""
     name, _, rest = text.partition(":")
     shape, _, extra = rest.partition(":")
     try:

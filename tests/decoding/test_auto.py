@@ -10,6 +10,7 @@ import torch
 import minilade.decoding.step_costs as step_costs
 import minilade.memo as memo
 from minilade.decoding import Autoregressive
+from minilade.decoding.base import StepKind
 from minilade.decoding.auto import Auto, best_plan
 from minilade.decoding.step_costs import StepCosts, step_costs_for
 from minilade.device import make_exact
@@ -17,17 +18,13 @@ from minilade.memo import read_table
 from minilade.quant import quantize_embedding, quantize_linears
 from minilade.sampling import SamplingParams
 
-from ..helpers import chi_square_p_value, exact_distribution, run_tokens, sample_counts, tiny_model
+from ..helpers import (FLAT_COSTS, checked_runs, chi_square_p_value, costs_of, exact_distribution, run_tokens,
+                       sample_counts, tiny_model)
 
 
 def test_step_costs_interpolate_between_measured_sizes() -> None:
     costs = StepCosts({1: 1.0, 4: 2.5, 8: 3.0})
     assert costs(1) == 1.0 and costs(2) == 1.5 and costs(4) == 2.5 and costs(6) == 2.75 and costs(16) == 6.0
-
-
-def costs_of(seconds) -> StepCosts:
-    """Step costs given by a formula instead of measured (every size a step of these tests can feed)."""
-    return StepCosts({T: seconds(T) for T in range(1, 128)})
 
 
 def test_expensive_steps_mean_plain_decoding() -> None:
@@ -37,8 +34,9 @@ def test_expensive_steps_mean_plain_decoding() -> None:
     expected, _ = run_tokens(model, prompt, Autoregressive())
     got, run = run_tokens(model, prompt, Auto(4, 4, 4, costs=costs))
     assert got == expected
-    assert set(run.stats.step_kinds) <= {"single", "verify 1x1"}  # plain steps, and at most a rare cheap probe
-    assert run.stats.step_kinds["single"] > 30
+    probe = StepKind(paths=1, depth=1)  # the most likely node alone, a rare cheap probe
+    assert set(run.stats.step_kinds) <= {StepKind(), probe}
+    assert run.stats.step_kinds[StepKind()] > 30
 
 
 def test_free_steps_mean_the_largest_useful_step() -> None:
@@ -48,7 +46,7 @@ def test_free_steps_mean_the_largest_useful_step() -> None:
     expected, _ = run_tokens(model, prompt, Autoregressive())
     got, run = run_tokens(model, prompt, Auto(4, 4, 4, costs=costs))
     assert got == expected
-    assert sum(v for k, v in run.stats.step_kinds.items() if k.startswith("window+")) > run.stats.steps // 2
+    assert sum(v for k, v in run.stats.step_kinds.items() if k.window) > run.stats.steps // 2
     assert run.stats.compression > 1.5
 
 
@@ -67,7 +65,7 @@ def test_auto_greedy_equals_autoregressive_whatever_it_chooses(seed: int) -> Non
         for settings in [(3, 4, 3), (1, 2, 2), (2, 5, 4)]:
             got, run = run_tokens(model, prompt, Auto(*settings, costs=costs), max_new_tokens=48)
             assert got == expected, (prompt, settings)
-            kinds |= {k.split()[0].rstrip("+0123456789") for k in run.stats.step_kinds}
+            kinds |= {"window" if k.window else "verify" if k.paths else "single" for k in run.stats.step_kinds}
     assert {"single", "verify"} <= kinds
 
 
@@ -230,16 +228,49 @@ def test_step_costs_on_a_short_context_use_only_its_positions(monkeypatch) -> No
     assert seen and all(0 <= low <= high < 32 for low, high in seen)
 
 
-@pytest.mark.parametrize("seed", range(2))
-def test_auto_with_the_window_options_equals_autoregressive(seed: int) -> None:
-    """The window's chain as a draft source, re-anchoring and filling level by level: still exact."""
-    costs = costs_of(lambda T: 1.0 + 0.02 * T)  # cheap rows: the window and the chain get fed
-    model = tiny_model(vocab=8 + 4 * seed, seed=seed)
-    gen = torch.Generator().manual_seed(50 + seed)
-    for _ in range(3):
-        prompt = torch.randint(0, model.config.vocab_size, (12,), generator=gen).tolist()
-        expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=48)
-        strategy = Auto(3, 4, 3, costs=costs, window_chain=True, reanchor=True, fill_levels=True)
-        got, run = run_tokens(model, prompt, strategy, max_new_tokens=48)
-        assert got == expected, prompt
-        assert any(k.startswith("window+") for k in run.stats.step_kinds)
+# ---- draft sources: suffix drafts (ragged paths of any length) and recycled top-k -----------------------------------
+
+SUFFIX_SETTINGS = [dict(window=1, ngram=2, guesses=0, suffix_draft=6, suffix_branches=1, draft_budget=16),
+                   dict(window=3, ngram=3, guesses=2, suffix_draft=9, suffix_branches=3, draft_budget=24),
+                   dict(window=4, ngram=4, guesses=4, suffix_draft=1, suffix_branches=2)]
+
+
+@pytest.mark.parametrize("model_seed", range(3))
+def test_greedy_with_suffix_drafts_equals_autoregressive(model_seed: int) -> None:
+    model = tiny_model(vocab=8 + 4 * model_seed, seed=model_seed)
+    runs = checked_runs(model, 200 + model_seed, [Auto(**s, costs=FLAT_COSTS) for s in SUFFIX_SETTINGS])
+    assert any(max(run.stats.tokens_per_step) > s.ngram for s, run in runs), \
+        "no step emitted more than N tokens: suffix drafts were never accepted past N - 1"
+
+
+def test_suffix_drafts_near_the_end_of_the_context_never_overrun_it() -> None:
+    model = tiny_model(vocab=12, seed=2)
+    limit = model.config.max_seq_len
+    prompt = ([1, 2, 3] * 200)[:limit - 30]
+    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=50)
+    strategy = Auto(1, 2, 0, suffix_draft=64, suffix_branches=2, draft_budget=128, costs=FLAT_COSTS)  # drafts far
+    got, run = run_tokens(model, prompt, strategy, max_new_tokens=50)  # longer than the room left
+    assert got == expected and len(got) == 30 and run.finish_reason == "context"
+    assert run.stats.steps < 29  # drafts were accepted, cut to the room left
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("suffix_draft", -1, "suffix_draft .* must be a whole number >= 0"),
+    ("suffix_draft", 2.5, "suffix_draft .* must be a whole number >= 0"),
+    ("suffix_branches", 0, "suffix_branches .* must be a whole number >= 1"),
+    ("suffix_branches", True, "suffix_branches .* must be a whole number >= 1"),
+    ("recycle_topk", -1, "recycle_topk .* must be a whole number >= 0"),
+])
+def test_invalid_draft_settings(field: str, value, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Auto(**{field: value})
+
+
+@pytest.mark.parametrize("model_seed", range(2))
+def test_greedy_with_recycled_drafts_equals_autoregressive(model_seed: int) -> None:
+    model = tiny_model(vocab=10 + 4 * model_seed, seed=model_seed)
+    strategies = [Auto(1, 3, 0, suffix_draft=0, recycle_topk=3, draft_budget=16, costs=FLAT_COSTS),
+                  Auto(3, 4, 2, recycle_topk=2, suffix_draft=5, costs=FLAT_COSTS)]
+    runs = checked_runs(model, 300 + model_seed, strategies, max_new_tokens=40)
+    recycled_only = [run for s, run in runs if not s.suffix_draft]
+    assert any(run.stats.forward_passes < run.stats.new_tokens for run in recycled_only)

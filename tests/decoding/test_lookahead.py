@@ -7,10 +7,17 @@ import itertools
 import pytest
 import torch
 
-from minilade.decoding import Autoregressive, Lookahead
-from minilade.masks import LookaheadLayout
+import torch.nn.functional as F
 
-from ..helpers import run_tokens, tiny_model
+from minilade.config import ModelConfig
+from minilade.decoding import Autoregressive, Lookahead
+from minilade.decoding.base import DecodeContext, StepKind
+from minilade.decoding.lookahead import JacobiWindow
+from minilade.kv_cache import KVCache
+from minilade.masks import LookaheadLayout
+from minilade.sampling import Sampler, SamplingParams
+
+from ..helpers import checked_runs, run_tokens, tiny_model
 
 
 def test_shared_prefixes_feed_fewer_tokens_with_the_same_output() -> None:
@@ -20,8 +27,7 @@ def test_shared_prefixes_feed_fewer_tokens_with_the_same_output() -> None:
     got, run = run_tokens(model, prompt, Lookahead(3, 4, 6), max_new_tokens=40)
     assert got == expected
     window_rows = LookaheadLayout(3, 4, 6).n_window_rows
-    flat = sum(n * (window_rows + 3 * int(kind.split("+")[1].split("x")[0]))  # kinds read "window+{g}x3"
-               for kind, n in run.stats.step_kinds.items())
+    flat = sum(n * (window_rows + kind.paths * kind.depth) for kind, n in run.stats.step_kinds.items())
     assert run.stats.tokens_fed < flat
 
 
@@ -32,21 +38,6 @@ def test_invalid_settings(W: int, N: int, G: int) -> None:
 
 
 SETTINGS = [(1, 2, 0), (1, 2, 3), (3, 2, 2), (1, 4, 2), (4, 3, 4), (5, 4, 5), (2, 5, 1), (7, 5, 7), (4, 6, 0)]
-
-
-def checked_runs(model, seed: int, strategies: list, trials: int = 3, max_new_tokens: int = 48) -> list:
-    """(strategy, run) of every strategy on `trials` random prompts, each output asserted equal to autoregressive."""
-    gen = torch.Generator().manual_seed(seed)
-    runs = []
-    for trial in range(trials):
-        length = int(torch.randint(1, 24, (1,), generator=gen))
-        prompt = torch.randint(0, model.config.vocab_size, (length,), generator=gen).tolist()
-        expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=max_new_tokens)
-        for strategy in strategies:
-            got, run = run_tokens(model, prompt, strategy, max_new_tokens=max_new_tokens)
-            assert got == expected, (prompt, strategy)
-            runs.append((strategy, run))
-    return runs
 
 
 @pytest.mark.parametrize("model_seed", range(4))
@@ -112,118 +103,64 @@ def test_without_the_bonus_token_a_step_emits_at_most_n_minus_1() -> None:
     assert max(run.stats.tokens_per_step) == 4 and max(capped.stats.tokens_per_step) == 3
 
 
-# ---- suffix drafts (ragged candidates of any length) -------------------------------------------------------------
-
-SUFFIX_SETTINGS = [dict(window=1, ngram=2, guesses=0, suffix_draft=6),
-                   dict(window=3, ngram=3, guesses=2, suffix_draft=9, suffix_branches=3),
-                   dict(window=4, ngram=4, guesses=4, suffix_draft=1, suffix_branches=2)]
+# ---- the window and the pool, traced by hand -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_seed", range(3))
-def test_greedy_with_suffix_drafts_equals_autoregressive(model_seed: int) -> None:
-    model = tiny_model(vocab=8 + 4 * model_seed, seed=model_seed)
-    runs = checked_runs(model, 200 + model_seed, [Lookahead(**settings) for settings in SUFFIX_SETTINGS])
-    assert all(max(run.stats.tokens_per_step) <= s.suffix_draft + s.ngram for s, run in runs)
-    assert any(max(run.stats.tokens_per_step) > s.ngram for s, run in runs), \
-        "no step emitted more than N tokens: suffix drafts were never accepted past N - 1"
+class CountingModel(torch.nn.Module):
+    """A stand-in for the model whose next token is always (position + 1) % vocab, whatever the text: the true
+    continuation of any text is known, so every step's outcome can be traced by hand. It records each call's
+    positions and the rows read."""
+
+    def __init__(self, vocab: int = 10) -> None:
+        super().__init__()
+        self.config = ModelConfig.preset("tiny-gqa").replace(vocab_size=vocab)
+        self.device = torch.device("cpu")
+        self.calls: list[tuple[list[int], list[int]]] = []
+
+    def forward(self, tokens, input_pos, cache, mask=None, logits_rows=None):
+        positions = input_pos.reshape(-1)
+        rows = torch.arange(tokens.shape[1]) if logits_rows is None else logits_rows
+        self.calls.append((positions.tolist(), rows.tolist()))
+        return F.one_hot((positions[rows] + 1) % self.config.vocab_size, self.config.vocab_size).float()[None]
 
 
-def test_suffix_drafts_near_the_end_of_the_context_never_overrun_it() -> None:
-    model = tiny_model(vocab=12, seed=2)
-    limit = model.config.max_seq_len
-    prompt = ([1, 2, 3] * 200)[:limit - 30]
-    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=50)
-    strategy = Lookahead(1, 2, 0, suffix_draft=64, suffix_branches=2)  # drafts far longer than the room left
-    got, run = run_tokens(model, prompt, strategy, max_new_tokens=50)
-    assert got == expected and len(got) == 30 and run.finish_reason == "context"
-    assert run.stats.steps < 29  # drafts were accepted, cut to the room left
+def test_the_window_pools_its_columns_and_a_later_step_accepts_one() -> None:
+    """W = 2, N = 3, G = 2 over a model that counts: step 1 writes the first model level, step 2 pools the
+    columns (4 5 6) and (5 6 7), step 3 verifies (6 7) after x = 5 and accepts it with its bonus token 8. Without
+    the window's n-grams the pool would hold only (3 4) after 5, and step 3 would emit one token."""
+    model = CountingModel(vocab=10)
+    ctx = DecodeContext(model, KVCache(model.config, 32), Sampler(SamplingParams()), [5, 5, 5], limit=32)
+    decoder = Lookahead(window=2, ngram=3, guesses=2).make_decoder(ctx)
+    assert decoder.window.tokens.tolist() == [[5, 5], [5, 5]]  # drawn from the prompt
+    assert decoder.prefill().tokens == [3]  # position 3
+
+    first = decoder.step()  # x = 3 at position 3; the pool has nothing after 3
+    # Rows: x, level 0 column 1, level 1 columns 0 and 1, at x's position + level + column; read: x, level 1.
+    assert model.calls[-1] == ([3, 4, 4, 5], [0, 2, 3])
+    assert first.tokens == [4] and first.kind == StepKind(window=True)
+    assert decoder.window.tokens.tolist() == [[5, 5], [5, 6]]  # level 1 moved down, the new level (5, 6) on top
+    assert decoder.pool.candidates(4, 2) == []  # the upper level was still the prompt's: nothing pooled
+
+    second = decoder.step()  # x = 4; the window's levels are now the model's own
+    assert second.tokens == [5] and decoder.window.tokens.tolist() == [[5, 6], [6, 7]]
+    assert decoder.pool.candidates(4, 2) == [(5, 6)]  # column 0: 4 5 6
+    assert decoder.pool.candidates(5, 2) == [(6, 7), (3, 4)]  # column 1: 5 6 7, beside the text's 5 3 4
+
+    third = decoder.step()  # x = 5: (6 7) and (3 4) verified; the model's 6 7 accepts the first, 8 follows
+    assert third.tokens == [6, 7, 8]
+    assert (third.detail.winner, third.detail.n_accepted, third.detail.matches) == (0, 2, [2, 0])
+    assert third.kind == StepKind(window=True, paths=2, depth=2) and ctx.cache.length == 8
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("suffix_draft", -1, "suffix_draft .* must be a whole number >= 0"),
-    ("suffix_draft", 2.5, "suffix_draft .* must be a whole number >= 0"),
-    ("suffix_branches", 0, "suffix_branches .* must be a whole number >= 1"),
-    ("suffix_branches", True, "suffix_branches .* must be a whole number >= 1"),
-])
-def test_invalid_suffix_settings(field: str, value, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        Lookahead(**{field: value})
-
-
-def test_suffix_drafts_are_off_by_default_and_budget_the_cache() -> None:
-    assert Lookahead(7, 5, 7).max_step_tokens() == 56
-    assert Lookahead(7, 5, 7, suffix_draft=16, suffix_branches=2).max_step_tokens() == 56 + 32
-
-
-@pytest.mark.parametrize("model_seed", range(2))
-def test_greedy_with_recycled_drafts_equals_autoregressive(model_seed: int) -> None:
-    model = tiny_model(vocab=10 + 4 * model_seed, seed=model_seed)
-    strategies = [Lookahead(1, 3, 0, recycle_topk=3), Lookahead(3, 4, 2, recycle_topk=2, suffix_draft=5)]
-    runs = checked_runs(model, 300 + model_seed, strategies, max_new_tokens=40)
-    assert any(run.stats.forward_passes < run.stats.new_tokens for _, run in runs)
-
-
-def test_recycling_budgets_the_cache_and_validates_k() -> None:
-    assert Lookahead(7, 5, 7, recycle_topk=3).max_step_tokens() == 56 + 3 * 4
-    with pytest.raises(ValueError, match="recycle_topk .* must be a whole number >= 0"):
-        Lookahead(recycle_topk=-1)
-
-
-WINDOW_OPTIONS = [dict(window_chain=True), dict(reanchor=True), dict(seed_window=True), dict(fill_levels=True),
-                  dict(window_chain=True, reanchor=True, seed_window=True, fill_levels=True, suffix_draft=4)]
-
-
-@pytest.mark.parametrize("model_seed", range(3))
-def test_greedy_with_the_window_options_equals_autoregressive(model_seed: int) -> None:
-    model = tiny_model(vocab=8 + 4 * model_seed, seed=model_seed)
-    strategies = [Lookahead(W, N, G, **options) for W, N, G in [(3, 4, 2), (1, 2, 1), (5, 3, 0)]
-                  for options in WINDOW_OPTIONS]
-    runs = checked_runs(model, 400 + model_seed, strategies)
-    chained = [run for s, run in runs if s.window_chain and s.guesses == 0]
-    assert any(run.stats.forward_passes < run.stats.new_tokens for run in chained), \
-        "the window's chain was never accepted: the test would prove nothing"
-
-
-def test_the_window_chain_is_the_freshest_guess_per_position() -> None:
-    from minilade.decoding.base import DecodeContext
-    from minilade.sampling import Sampler, SamplingParams
-
-    model = tiny_model(vocab=50, seed=0)
-    ctx = DecodeContext(model, model.new_cache(64), Sampler(SamplingParams(), model.device, [1], 50), [1, 2, 3], 64)
-    decoder = Lookahead(3, 4, 0, window_chain=True).make_decoder(ctx)
-    decoder.window = torch.tensor([[0, 1, 2], [10, 11, 12], [20, 21, 22]])  # slot (l, c) guesses x's + l + c
-    assert decoder.window_chain() == ()  # the model has not written the levels yet
-    decoder.model_levels = 2
-    assert decoder.window_chain() == (10, 20, 21, 22)  # positions x's + 1, + 2, + 3, + 4
-    assert Lookahead(3, 4, 0, window_chain=True).max_step_tokens() == 9 + 4
-
-
-def test_reanchoring_moves_the_columns_by_the_extra_tokens() -> None:
-    from minilade.decoding.base import DecodeContext
-    from minilade.sampling import Sampler, SamplingParams
-
-    model = tiny_model(vocab=50, seed=0)
-    ctx = DecodeContext(model, model.new_cache(64), Sampler(SamplingParams(), model.device, [1], 50),
-                        [40, 41, 42, 43], 64)  # no token recurs: no suffix draft fills the opened columns
-    decoder = Lookahead(4, 3, 0, reanchor=True).make_decoder(ctx)
-    decoder.window = torch.tensor([[0, 1, 2, 3], [10, 11, 12, 13]])
-    decoder.moved(2)
-    assert decoder.window.tolist() == [[2, 3, 2, 3], [12, 13, 12, 13]]
-    ctx.tokens += [5, 6, 5]  # now "5" occurred before, followed by 6 5: the draft 6 5 6 5 ...
-    decoder.moved(1)
-    assert decoder.window.tolist() == [[3, 2, 3, 6], [13, 12, 13, 5]]  # slot (l, 3) takes guess l + 2
-    off = Lookahead(4, 3, 0).make_decoder(ctx)
-    before = off.window.clone()
-    off.moved(2)
-    assert torch.equal(off.window, before)
-
-
-def test_filling_level_by_level_feeds_the_written_levels_only() -> None:
-    model = tiny_model(vocab=12, seed=1)
-    prompt = [1, 2, 3, 4, 5, 6]
-    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=30)
-    got, filled = run_tokens(model, prompt, Lookahead(3, 5, 0, fill_levels=True), max_new_tokens=30)
-    _, full = run_tokens(model, prompt, Lookahead(3, 5, 0), max_new_tokens=30)
-    assert got == expected
-    # The first three steps feed 1, 2 and 3 levels of 3 rows instead of 4 levels (G = 0: no candidates).
-    assert full.stats.tokens_fed - filled.stats.tokens_fed == (12 - 3) + (12 - 6) + (12 - 9)
+def test_the_window_advance_equals_its_loop_form() -> None:
+    """JacobiWindow.advance against the same update written as loops over levels and columns."""
+    gen = torch.Generator().manual_seed(0)
+    for levels, W in [(1, 3), (2, 2), (4, 5)]:
+        window = JacobiWindow(LookaheadLayout(W, levels + 1, 0), list(range(20)), seed=levels)
+        for step in range(levels + 2):
+            before = window.tokens.tolist()
+            new = torch.randint(20, (W,), generator=gen).tolist()
+            ngrams = window.advance(new)
+            expected = [tuple(before[level][c] for level in range(levels)) + (new[c],) for c in range(W)]
+            assert ngrams == (expected if step >= levels - 1 else [])
+            assert window.tokens.tolist() == before[1:] + [new]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from minilade.decoding import Autoregressive, GenerationSettings, Lookahead, make_strategy
+from minilade.decoding import Auto, Autoregressive, GenerationSettings, Lookahead, make_strategy
 from minilade.sampling import SamplingParams
 
-from ..helpers import run_tokens, tiny_model
+from ..helpers import FLAT_COSTS, run_tokens, tiny_model
 
 
 def test_settings_normalise_one_stop_string() -> None:
@@ -87,15 +87,13 @@ def spy_positions(model, monkeypatch) -> list[tuple[int, int, int]]:
 
 @pytest.mark.parametrize("window", [12, 100000])
 def test_auto_fits_its_steps_to_a_tiny_context(window: int, monkeypatch) -> None:
-    """Issue 10 (12): `--strategy auto -W 12` on a 32-token context shrinks its steps (no cache-capacity error),
+    """`--strategy auto -W 12` on a 32-token context shrinks its steps (no cache-capacity error),
     and its output is plain decoding's up to the context's end; -W 100000 shrinks too, allocating nothing large."""
-    from minilade.decoding import Auto
-    from tests.decoding.test_auto import costs_of
     model = short_context_model()
     prompt = [1, 2, 3, 1, 2]
     expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=60)
     seen = spy_positions(model, monkeypatch)
-    got, run = run_tokens(model, prompt, Auto(window=window, costs=costs_of(lambda T: 1.0)), max_new_tokens=60)
+    got, run = run_tokens(model, prompt, Auto(window=window, costs=FLAT_COSTS), max_new_tokens=60)
     assert got == expected and run.finish_reason == "context" and len(got) == 32 - len(prompt)
     assert all(high < 32 and rows <= left for high, rows, left in seen)
     assert max(rows for _, rows, _ in seen) > 1  # it did take lookahead steps, within 32 - 5 rows
@@ -111,16 +109,12 @@ def test_lookahead_whose_step_cannot_fit_the_context_is_one_line_naming_the_opti
 
 
 @pytest.mark.parametrize("strategy", [
-    Lookahead(3, 4, 3), Lookahead(3, 4, 3, suffix_draft=8, suffix_branches=2, recycle_topk=2),
-    "auto", "auto-recycle"])
+    Lookahead(3, 4, 3), "auto", "auto-recycle"])
 def test_drafts_near_the_end_of_the_context_never_overrun_it(strategy, monkeypatch) -> None:
     """Every draft and window row stays at a position inside the context and every step inside the cache, while
     the output stays plain decoding's to the last position."""
-    from minilade.decoding import Auto
-    from tests.decoding.test_auto import costs_of
     if isinstance(strategy, str):
-        strategy = Auto(3, 4, 3, recycle_topk=2 if strategy == "auto-recycle" else 0,
-                        costs=costs_of(lambda T: 1.0))
+        strategy = Auto(3, 4, 3, recycle_topk=2 if strategy == "auto-recycle" else 0, costs=FLAT_COSTS)
     model = short_context_model(48)
     prompt = [1, 2, 3, 4] * 4
     expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=100)

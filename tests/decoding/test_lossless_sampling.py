@@ -11,20 +11,20 @@ import math
 import pytest
 import torch
 
-import minilade.decoding.lookahead
-from minilade.decoding import Autoregressive, Lookahead
+import minilade.verify
+from minilade.decoding import Auto, Autoregressive, Lookahead
 from minilade.sampling import SamplingParams
 
-from ..helpers import chi_square_p_value, exact_distribution, sample_counts, tiny_model
+from ..helpers import FLAT_COSTS, chi_square_p_value, exact_distribution, sample_counts, tiny_model
 
 N_SAMPLES = 2500
 SETTINGS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4),
             SamplingParams(temperature=1.3, top_p=0.9)]
 LOOKAHEAD = Lookahead(window=3, ngram=3, guesses=4)
-RAGGED = Lookahead(window=2, ngram=3, guesses=3, suffix_draft=4, suffix_branches=2)  # paths of 1..4 tokens
-RECYCLED = Lookahead(window=1, ngram=3, guesses=2, recycle_topk=3)  # chains from the model's own top-3
-# The window's own chain of guesses as a draft, the window re-anchored and filled level by level.
-CHAINED = Lookahead(window=3, ngram=3, guesses=1, window_chain=True, reanchor=True, fill_levels=True)
+# auto feeding its whole budget: suffix drafts, paths of 1..4 tokens (a ragged trie), with the pool's candidates
+RAGGED = Auto(window=2, ngram=3, guesses=3, suffix_draft=4, suffix_branches=2, costs=FLAT_COSTS)
+# a tree from the model's own top-3 next tokens, with the pool's candidates
+RECYCLED = Auto(window=1, ngram=3, guesses=2, suffix_draft=0, recycle_topk=3, costs=FLAT_COSTS)
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +40,8 @@ def test_lookahead_sampling_matches_autoregressive_distribution(model, params: S
     assert chi_square_p_value(counts, exact, N_SAMPLES) > 1e-3
 
 
-@pytest.mark.parametrize("strategy,params", [(RAGGED, SETTINGS[0]), (RAGGED, SETTINGS[1]), (RECYCLED, SETTINGS[0]),
-                                             (CHAINED, SETTINGS[0])],
-                         ids=["ragged-" + str(SETTINGS[0]), "ragged-" + str(SETTINGS[1]), "recycled", "window chain"])
+@pytest.mark.parametrize("strategy,params", [(RAGGED, SETTINGS[0]), (RAGGED, SETTINGS[1]), (RECYCLED, SETTINGS[0])],
+                         ids=["ragged-" + str(SETTINGS[0]), "ragged-" + str(SETTINGS[1]), "recycled"])
 def test_ragged_and_recycled_drafts_keep_the_autoregressive_distribution(model, strategy, params) -> None:
     exact = exact_distribution(model, params)
     counts, accepted_steps = sample_counts(model, strategy, params, N_SAMPLES)
@@ -81,7 +80,7 @@ def without_renormalisation(probs0, candidates, cand_logits, sampler, lengths=No
 @pytest.mark.parametrize("strategy", [LOOKAHEAD, RAGGED, RECYCLED], ids=["n-1 candidates", "ragged", "recycled"])
 @pytest.mark.parametrize("wrong", [accept_unconditionally, without_renormalisation])
 def test_the_statistical_test_rejects_a_wrong_verifier(model, monkeypatch, wrong, strategy) -> None:
-    monkeypatch.setattr(minilade.decoding.lookahead, "sample_verify", wrong)
+    monkeypatch.setattr(minilade.verify, "sample_verify", wrong)
     params, n = SETTINGS[0], 600  # far fewer samples than the correct verifier is held to
     counts, _ = sample_counts(model, strategy, params, n)
     assert chi_square_p_value(counts, exact_distribution(model, params), n) < 1e-6

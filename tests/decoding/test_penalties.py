@@ -11,15 +11,15 @@ import torch
 from minilade.decoding import Auto, Autoregressive, Lookahead
 from minilade.sampling import SamplingParams, TokenHistory
 
-from ..helpers import chi_square_p_value, exact_distribution, run_tokens, sample_counts, tiny_model
-from .test_auto import costs_of
+from ..helpers import FLAT_COSTS, chi_square_p_value, exact_distribution, run_tokens, sample_counts, tiny_model
 
 PENALTIES = [dict(repetition_penalty=1.3), dict(repetition_penalty=0.7), dict(presence_penalty=0.6),
              dict(frequency_penalty=0.8), dict(frequency_penalty=-1.0),
              dict(repetition_penalty=1.2, presence_penalty=0.3, frequency_penalty=0.4)]
-STRATEGIES = {"lookahead": Lookahead(3, 4, 3), "ragged": Lookahead(2, 3, 3, suffix_draft=6, suffix_branches=2),
-              "recycled": Lookahead(1, 4, 2, recycle_topk=3),
-              "auto": Auto(3, 4, 3, recycle_topk=2, costs=costs_of(lambda T: 1.0))}
+STRATEGIES = {"lookahead": Lookahead(3, 4, 3),
+              "ragged": Auto(2, 3, 3, suffix_draft=6, suffix_branches=2, draft_budget=24, costs=FLAT_COSTS),
+              "recycled": Auto(1, 4, 2, suffix_draft=0, recycle_topk=3, draft_budget=24, costs=FLAT_COSTS),
+              "auto": Auto(3, 4, 3, recycle_topk=2, costs=FLAT_COSTS)}
 PROMPT = [1, 2, 3, 4, 5] * 3
 RIGHT_PENALIZE = TokenHistory.penalize
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from minilade.drafts.tree import Calibration, DraftPath, DraftTree, padded_tokens
+from minilade.drafts.tree import Calibration, DraftPath, DraftTree
 
 
 def path(tokens, source="s"):
@@ -36,9 +36,3 @@ def test_calibration_learns_only_from_tokens_whose_parent_was_right() -> None:
     assert cal.chance(("s", 0)) == pytest.approx((0.5 + 1) / 2)
     assert cal.chance(("s", 1)) == pytest.approx((0.5 + 0 + 1) / 3)  # token 2 wrong, token 5 right
     assert cal.chance(("s", 2)) == pytest.approx(0.5)  # token 3's parent was wrong: nothing learnt
-
-
-def test_padded_tokens() -> None:
-    tokens, lengths = padded_tokens([(1, 2, 3), (4,)])
-    assert tokens.tolist() == [[1, 2, 3], [4, 0, 0]] and lengths.tolist() == [3, 1]
-    assert padded_tokens([])[0].shape == (0, 1)

@@ -197,10 +197,10 @@ def test_flops_per_step_formula() -> None:
 
 
 def test_auto_takes_other_fields_after_its_step() -> None:
-    args = decode.parse_args(["--auto", "7,5,7:recycle_topk=2,window_chain=1"])
-    assert args.auto == [((7, 5, 7), {"recycle_topk": 2, "window_chain": 1})]
+    args = decode.parse_args(["--auto", "7,5,7:recycle_topk=2,suffix_branches=1"])
+    assert args.auto == [((7, 5, 7), {"recycle_topk": 2, "suffix_branches": 1})]
     auto = next(c for c in decode.contenders(args, 0.0) if c.label == decode.AUTO).strategy
-    assert (auto.window, auto.ngram, auto.guesses, auto.recycle_topk, auto.window_chain) == (7, 5, 7, 2, 1)
+    assert (auto.window, auto.ngram, auto.guesses, auto.recycle_topk, auto.suffix_branches) == (7, 5, 7, 2, 1)
 
 
 def test_several_auto_rows_are_labelled_by_their_settings() -> None:

@@ -45,10 +45,10 @@ def test_bad_policies_are_refused_in_one_line(text: str) -> None:
 
 
 def test_strategies_take_their_fields_and_refuse_unknown_ones() -> None:
-    strategy = replay.parse_strategy("lookahead:7,5,7:reanchor=1,window_chain=1")
-    assert (strategy.window, strategy.ngram, strategy.reanchor, strategy.window_chain) == (7, 5, 1, 1)
-    with pytest.raises(UsageError, match="no setting 'windowchain'"):
-        replay.parse_strategy("lookahead:7,5,7:windowchain=1")
+    strategy = replay.parse_strategy("auto:7,5,7:recycle_topk=2,suffix_branches=1")
+    assert (strategy.window, strategy.ngram, strategy.recycle_topk, strategy.suffix_branches) == (7, 5, 2, 1)
+    with pytest.raises(UsageError, match="no setting 'recycle_topk'"):
+        replay.parse_strategy("lookahead:7,5,7:recycle_topk=1")
 
 
 def test_rank_writes_the_table_and_the_plot(tmp_path: Path, capsys) -> None:
