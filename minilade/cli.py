@@ -25,7 +25,6 @@ from .quant import check_options
 from .sampling import SamplingParams
 
 EXIT_USAGE = 2
-WINDOW_OPTIONS = ("window_chain", "reanchor", "seed_window", "fill_levels")  # lookahead and auto, off by default
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,28 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(torch.compile; the first run compiles for a minute or more, later runs reuse it): "
                         "faster, but its output is not bitwise that of lookahead or auto, and may differ from "
                         "plain decoding's at a near tie")
-    s.add_argument("--window", "-W", type=int, default=5, help="lookahead window W (columns)")
-    s.add_argument("--ngram", "-N", type=int, default=4, help="lookahead n-gram size N")
-    s.add_argument("--guesses", "-G", type=int, default=5, help="lookahead candidates verified per step G")
-    s.add_argument("--no-prompt-pool", action="store_true", help="do not seed the n-gram pool from the prompt")
-    s.add_argument("--suffix-draft", type=int, default=None, metavar="L",
-                   help="also verify drafts of up to L tokens copied from where the text's ending occurred before "
-                        "(0 = off; default: off for lookahead, 16 for auto)")
-    s.add_argument("--suffix-branches", type=int, default=None, metavar="B",
-                   help="at most B such drafts a step, from occurrences that disagree (default: 1 lookahead, 4 auto)")
-    s.add_argument("--recycle-topk", type=int, default=None, metavar="K",
-                   help="also draft from the model's own top-K next tokens after every token it read (token "
-                        "recycling, a (vocabulary x K) table; 0 = off, the default)")
-    s.add_argument("--draft-budget", type=int, default=None, metavar="ROWS",
-                   help="auto: the most rows one step feeds (default: (W + G) * (N - 1))")
-    s.add_argument("--window-chain", action="store_true",
-                   help="also verify the lookahead window's own chain of freshest guesses (W + N - 3 tokens)")
-    s.add_argument("--reanchor", action="store_true",
-                   help="move the window's columns by the extra tokens a step emitted, so it stays aligned with x")
-    s.add_argument("--seed-window", action="store_true",
-                   help="start the window from a suffix draft of the prompt instead of random prompt tokens")
-    s.add_argument("--fill-levels", action="store_true",
-                   help="feed only the window levels written so far during the first N - 2 steps")
+    add_strategy_options(s)
     d = p.add_argument_group("hardware")
     d.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (CUDA only)")
     d.add_argument("--quantize", choices=["int8", "int4"], default=None,
@@ -97,21 +75,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def strategy_fields() -> dict[str, tuple[dataclasses.Field, list[str]]]:
+    """Every strategy setting that is a command-line option (its field's metadata says so: decoding.base.option),
+    with the names of the strategies that have it."""
+    found: dict[str, tuple[dataclasses.Field, list[str]]] = {}
+    for name, kind in STRATEGIES.items():
+        for f in dataclasses.fields(kind):
+            if "help" in f.metadata:
+                found.setdefault(f.name, (f, []))[1].append(name)
+    return found
+
+
+def add_strategy_options(group: argparse._ArgumentGroup) -> None:
+    """One option per strategy field that asks for one; its default and help are the field's."""
+    for name, (f, owners) in strategy_fields().items():
+        flags = f.metadata["flags"] or (f"--{name.replace('_', '-')}",)
+        default = f"default {f.default}" if f.default is not None and not isinstance(f.default, bool) else ""
+        where = ", ".join(owners)
+        help = f"{f.metadata['help']} ({where}{'; ' + default if default else ''})"
+        if isinstance(f.default, bool):
+            group.add_argument(*flags, dest=name, action="store_const", const=not f.default, default=None, help=help)
+        else:
+            group.add_argument(*flags, dest=name, type=int, default=None, metavar=f.metadata["metavar"], help=help)
+
+
 def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
-    """The generation settings the options ask for, checked before any weights are loaded. Step costs for
-    `auto` are measured once per machine and kept (checkpoints.resolve.kept_tables_dir)."""
-    drafts = {name: value for name, value in (("suffix_draft", args.suffix_draft),
-                                              ("suffix_branches", args.suffix_branches),
-                                              ("recycle_topk", args.recycle_topk),
-                                              ("draft_budget", args.draft_budget)) if value is not None}
-    drafts.update({name: True for name in WINDOW_OPTIONS if getattr(args, name)})
+    """The generation settings the options ask for, checked before any weights are loaded. An option the chosen
+    strategy does not have is an error. Step costs for `auto` are measured once per machine and kept."""
+    given = {name: getattr(args, name) for name in strategy_fields() if getattr(args, name) is not None}
+    for name, (_, owners) in strategy_fields().items():
+        if name in given and args.strategy not in owners:
+            raise ValueError(f"--{name.replace('_', '-')} applies to --strategy {' or '.join(owners)}, "
+                             f"not {args.strategy}")
     if args.compile and args.strategy != "autoregressive":
         raise ValueError(f"--compile runs plain decoding only (--strategy autoregressive): {args.strategy}'s steps "
                          f"must give plain decoding's exact output, which a compiled step does not promise")
-    strategy = make_strategy(args.strategy, window=args.window, ngram=args.ngram, guesses=args.guesses,
-                             compiled=args.compile,
-                             pool_from_prompt=not args.no_prompt_pool,
-                             cost_file=str(kept_tables_dir() / "step_costs.json"), **drafts)
+    strategy = make_strategy(args.strategy, compiled=args.compile,
+                             cost_file=str(kept_tables_dir() / "step_costs.json"), **given)
     check_sampling(sampling_options(args))
     return GenerationSettings(strategy, SamplingParams(), args.max_new_tokens, tuple(args.stop))
 

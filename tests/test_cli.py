@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -45,7 +46,8 @@ def test_generates_json(tiny_checkpoint: Path) -> None:
                      "--strategy", "lookahead", "-W", "2", "-N", "3", "-G", "2")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    expected = LLM.load(tiny_checkpoint, progress=False).generate("a b c d", max_new_tokens=5)  # plain decoding
+    expected = LLM.load(tiny_checkpoint, progress=False).generate("a b c d", max_new_tokens=5,
+                                                                  strategy="autoregressive")
     assert out["token_ids"] == expected.token_ids and out["text"] == expected.text
     assert out["finish_reason"] == expected.finish_reason
     assert out["prompt_tokens"] == len(tokenizer(tiny_checkpoint).encode("a b c d"))
@@ -179,7 +181,7 @@ def test_padded_vocabulary_never_yields_an_undecodable_id(tmp_path: Path) -> Non
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_lookahead_equals_quantized_plain_decoding(tiny_checkpoint: Path, mode: str) -> None:
     common = ["a b c d", "--ckpt", str(tiny_checkpoint), "--json", "--max-new-tokens", "12", "--quantize", mode]
-    plain = run_cli(*common)
+    plain = run_cli(*common, "--strategy", "autoregressive")
     fast = run_cli(*common, "--strategy", "lookahead", "-W", "2", "-N", "3", "-G", "2")
     assert plain.returncode == 0 and fast.returncode == 0, plain.stderr + fast.stderr
     assert json.loads(fast.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
@@ -191,7 +193,7 @@ def test_bad_group_size_fails_before_loading(tiny_checkpoint: Path) -> None:
 
 
 def test_auto_on_a_tiny_context_shrinks_its_steps_and_lookahead_says_what_to_change(tmp_path: Path) -> None:
-    """Issue 10 (12): `--strategy auto -W 12` on a 32-token context answers (plain decoding's tokens, to the
+    """`--strategy auto -W 12` on a 32-token context answers (plain decoding's tokens, to the
     context's end); explicit lookahead whose step cannot fit is one line naming the options, exit 2."""
     folder = write_tiny_checkpoint(tmp_path, "a b c d hello world", max_positions=32)
     common = ("a b c hello", "--ckpt", str(folder), "--max-new-tokens", "60", "--json")
@@ -212,7 +214,7 @@ def test_auto_on_a_tiny_context_shrinks_its_steps_and_lookahead_says_what_to_cha
 ])
 def test_bad_options_are_refused_before_the_checkpoint_is_even_looked_for(args: list[str], fact: str,
                                                                          capsys) -> None:
-    """Issue 10 (12): a checkpoint that does not exist is never reached, so nothing was loaded first."""
+    """A checkpoint that does not exist is never reached, so nothing was loaded first."""
     assert main(["a", "--ckpt", "/nonexistent/model.gguf", *args]) == 2
     err = capsys.readouterr().err
     assert fact in err and "not found" not in err and len(err.strip().splitlines()) == 1
@@ -225,27 +227,32 @@ def test_list_models_prints_the_support_table_without_a_checkpoint(capsys) -> No
     assert out == describe_support() + "\n" and "Qwen2" in out and "Q6_K" in out
 
 
-def test_window_options_reach_the_strategy_and_keep_the_output() -> None:
-    flags = ["--window-chain", "--reanchor", "--seed-window", "--fill-levels"]
-    for strategy in ("lookahead", "auto"):
-        on = settings_from_args(build_parser().parse_args(["p", "--strategy", strategy, *flags])).strategy
-        off = settings_from_args(build_parser().parse_args(["p", "--strategy", strategy])).strategy
-        assert (on.window_chain, on.reanchor, on.seed_window, on.fill_levels) == (True,) * 4
-        assert (off.window_chain, off.reanchor, off.seed_window, off.fill_levels) == (False,) * 4
+def test_strategy_options_are_the_strategies_fields_with_their_defaults() -> None:
+    from minilade.decoding import Auto, Lookahead
+    parse = build_parser().parse_args
+    assert settings_from_args(parse(["p", "--strategy", "lookahead"])).strategy == Lookahead()
+    auto = settings_from_args(parse(["p"])).strategy
+    assert (auto.window, auto.ngram, auto.guesses, auto.suffix_draft, auto.recycle_topk) == \
+        (Auto.window, Auto.ngram, Auto.guesses, Auto.suffix_draft, Auto.recycle_topk)
+    given = settings_from_args(parse(["p", "-W", "3", "-N", "2", "-G", "1", "--no-prompt-pool", "--suffix-draft", "5",
+                                      "--suffix-branches", "2", "--recycle-topk", "8", "--draft-budget", "20"]))
+    assert dataclasses.replace(given.strategy, cost_file=None) == Auto(3, 2, 1, pool_from_prompt=False, suffix_draft=5,
+                                                                        suffix_branches=2, recycle_topk=8,
+                                                                        draft_budget=20)
 
 
-def test_window_options_on_the_command_line_give_plain_decodings_tokens(tiny_checkpoint: Path) -> None:
+def test_an_option_the_strategy_does_not_have_is_a_one_line_error() -> None:
+    assert_one_line_error(run_cli("a", "--ckpt", "/nonexistent.gguf", "--strategy", "lookahead", "--recycle-topk",
+                                  "2"), "--recycle-topk applies to --strategy auto, not lookahead")
+    assert_one_line_error(run_cli("a", "--ckpt", "/nonexistent.gguf", "--strategy", "autoregressive", "-W", "3"),
+                          "--window applies to --strategy lookahead or auto, not autoregressive")
+    assert_one_line_error(run_cli("a", "--ckpt", "/nonexistent.gguf", "--recycle-topk", "-1"), "recycle_topk")
+
+
+def test_auto_options_on_the_command_line_give_plain_decodings_tokens(tiny_checkpoint: Path) -> None:
     common = ["a b c d", "--ckpt", str(tiny_checkpoint), "--json", "--max-new-tokens", "12"]
     plain = run_cli(*common, "--strategy", "autoregressive")
-    fast = run_cli(*common, "--strategy", "lookahead", "-W", "3", "-N", "3", "-G", "2", "--window-chain",
-                   "--reanchor", "--seed-window", "--fill-levels", "--recycle-topk", "3")
+    fast = run_cli(*common, "-W", "3", "-N", "3", "-G", "2", "--recycle-topk", "3", "--suffix-draft", "4")
     assert plain.returncode == 0 and fast.returncode == 0, plain.stderr + fast.stderr
     assert json.loads(fast.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
 
-
-def test_recycle_topk_reaches_the_strategy_and_bad_values_are_one_line_errors() -> None:
-    for strategy in ("lookahead", "auto"):
-        on = settings_from_args(build_parser().parse_args(["p", "--strategy", strategy, "--recycle-topk", "8"]))
-        off = settings_from_args(build_parser().parse_args(["p", "--strategy", strategy]))
-        assert (on.strategy.recycle_topk, off.strategy.recycle_topk) == (8, 0)
-    assert_one_line_error(run_cli("a", "--ckpt", "/nonexistent.gguf", "--recycle-topk", "-1"), "recycle_topk")
