@@ -167,7 +167,8 @@ class AutoDecoder(Decoder):
         self.verify_shape = StepShape(layout, with_window=False, device=ctx.device)
         suffix = SuffixIndex()
         self.sources = draft_sources(settings, self.pool, suffix, ctx)
-        self.costs = settings.costs or step_costs_for(ctx.model, self.cost_sizes(), settings.cost_file)
+        self.costs = settings.costs or step_costs_for(ctx.model, self.cost_sizes(), settings.cost_file,
+                                                      agree=ctx.agree)
         self.calibration = Calibration(PRIORS)
         start = max(0, len(ctx.tokens) - PROMPT_REPLAY)
         suffix.update(ctx.tokens[:start])
