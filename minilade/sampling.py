@@ -20,7 +20,8 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy decoding (top_k and top_p are then ignored). top_k 0 and top_p 1 mean off.
+    """temperature 0 means greedy decoding (top_k and top_p, SAMPLING_ONLY, then stay off). top_k 0 and top_p 1 mean
+    off.
 
     Penalties, applied to the logits before anything else, greedy or sampling (1, 0, 0: off):
     repetition_penalty (Hugging Face): a token already in the prompt or the output has its logit divided by it
@@ -37,21 +38,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
-        if not _number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be > 0 and finite (1 = off), got {self.repetition_penalty!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _number(value) or not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value!r}")
-        if not _number(self.temperature) or not 0.0 <= self.temperature < math.inf:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature!r}")
-        if not _whole(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, a whole number (0 = off), got {self.top_k!r}")
-        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if self.seed is not None and (not _whole(self.seed) or not 0 <= self.seed < 2 ** 64):
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed!r}")
-        if self.temperature == 0.0 and (self.top_k or self.top_p < 1.0):
+        for name in RULES:
+            check_field(name, getattr(self, name))
+        if self.greedy and (self.top_k or self.top_p < 1.0):
             raise ValueError("top_k and top_p apply only when sampling: set a temperature > 0 (0 means greedy)")
 
     @property
@@ -61,6 +50,29 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+SAMPLING_ONLY = ("top_k", "top_p")  # fields that mean something only when sampling (temperature > 0)
+# Each field's rule, alone: what a valid value is, and how the error says it. The rule that ties SAMPLING_ONLY to a
+# temperature is SamplingParams' own (a caller may check options one by one before they are merged).
+RULES = {
+    "repetition_penalty": (lambda v: _number(v) and 0.0 < v < math.inf, "> 0 and finite (1 = off)"),
+    "presence_penalty": (lambda v: _number(v) and -2.0 <= v <= 2.0, "in [-2, 2] (0 = off)"),
+    "frequency_penalty": (lambda v: _number(v) and -2.0 <= v <= 2.0, "in [-2, 2] (0 = off)"),
+    "temperature": (lambda v: _number(v) and 0.0 <= v < math.inf, ">= 0 and finite (0 = greedy)"),  # rejects NaN
+    "top_k": (lambda v: _whole(v) and v >= 0, ">= 0, a whole number (0 = off)"),
+    "top_p": (lambda v: _number(v) and 0.0 < v <= 1.0, "in (0, 1] (1 = off)"),
+    "seed": (lambda v: v is None or (_whole(v) and 0 <= v < 2 ** 64), "in [0, 2**64)"),
+}
+
+
+def check_field(name: str, value: object) -> None:
+    """A one-line ValueError unless `value` is valid for the SamplingParams field `name` on its own (RULES)."""
+    if name not in RULES:
+        raise ValueError(f"{name} is not a sampling setting (one of {', '.join(RULES)})")
+    valid, what = RULES[name]
+    if not valid(value):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
 def seeded(params: SamplingParams, agree: Callable[[int], int]) -> SamplingParams:

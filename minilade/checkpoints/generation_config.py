@@ -15,12 +15,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import CheckpointError, one_line
-from ..sampling import SamplingParams
+from ..sampling import SAMPLING_ONLY, SamplingParams, check_field
 
 FILE = "generation_config.json"
 HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
-# Options that only mean something when sampling: dropped from the defaults once the caller asks for greedy.
-SAMPLING_ONLY = ("top_k", "top_p")
 
 
 def read_generation_defaults(checkpoint: Path) -> dict[str, Any]:
@@ -62,15 +60,18 @@ def defaults_from_hf(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_sampling(options: Mapping[str, Any]) -> None:
-    """A one-line ValueError unless each option is a valid value of its SamplingParams field (the combination
-    is checked once the defaults are merged: `--top-k 5` alone may meet a checkpoint that samples)."""
-    sampling = {"temperature": 1.0, **options} if any(k in options for k in SAMPLING_ONLY) else dict(options)
-    SamplingParams(**sampling)
+    """A one-line ValueError unless each option is a valid value of its SamplingParams field (sampling.check_field),
+    and the options agree with each other once they say whether to sample (a temperature); otherwise the combination
+    is checked once the defaults are merged: `--top-k 5` alone may meet a checkpoint that samples."""
+    for name, value in options.items():
+        check_field(name, value)
+    if "temperature" in options:
+        SamplingParams(**{name: options[name] for name in ("temperature", *SAMPLING_ONLY) if name in options})
 
 
 def merge_sampling(defaults: Mapping[str, Any], given: Mapping[str, Any]) -> SamplingParams:
     """The caller's options (None: not given) over the checkpoint's defaults. A caller who asks for greedy
-    decoding (temperature 0) drops the checkpoint's top_k and top_p, which only mean something when sampling."""
+    decoding (temperature 0) drops the checkpoint's sampling-only defaults (top_k, top_p: sampling.SAMPLING_ONLY)."""
     chosen = {name: value for name, value in given.items() if value is not None}
     merged = dict(defaults)
     if chosen.get("temperature") == 0:

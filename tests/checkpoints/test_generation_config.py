@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from minilade.checkpoints.generation_config import defaults_from_hf, merge_sampling, read_generation_defaults
+from minilade.checkpoints.generation_config import (check_sampling, defaults_from_hf, merge_sampling,
+                                                    read_generation_defaults)
 from minilade.errors import CheckpointError
 from minilade.sampling import SamplingParams
 
@@ -47,6 +48,17 @@ def test_a_bad_file_is_one_line_naming_it(tmp_path: Path, text: str, fact: str) 
     with pytest.raises(CheckpointError, match=fact) as caught:
         read_generation_defaults(tmp_path)
     assert "generation_config.json" in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("name,value", [("temperature", -1), ("top_k", 2.5), ("top_p", 0), ("seed", -1),
+                                        ("repetition_penalty", 0), ("presence_penalty", 3), ("frequency_penalty", "x")])
+def test_an_option_checked_alone_fails_as_the_settings_do(name: str, value: object) -> None:
+    """The command line checks its options before the checkpoint's defaults are known, by SamplingParams' rules."""
+    with pytest.raises(ValueError) as whole:
+        SamplingParams(**{"temperature": 1.0, name: value})
+    with pytest.raises(ValueError) as alone:
+        check_sampling({name: value})
+    assert str(alone.value) == str(whole.value)
 
 
 def test_no_file_no_defaults(tmp_path: Path) -> None:
