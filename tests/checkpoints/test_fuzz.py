@@ -6,11 +6,13 @@ minilade.errors, within a time bound, and the whole run within a memory bound; n
 from __future__ import annotations
 
 import collections
+import random
 from pathlib import Path
 
 import pytest
 
 from scripts import fuzz_checkpoints as fuzz
+from scripts import fuzz_mutations as mutations
 
 MUTATIONS = 400
 SECONDS_PER_LOAD = 5.0
@@ -31,8 +33,8 @@ def test_every_mutation_loads_or_fails_cleanly(tmp_path: Path) -> None:
 
 def test_the_fuzzer_sees_a_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The judge must be able to fail: an exception type outside minilade.errors, or a message of two lines."""
-    bases = fuzz.make_bases(tmp_path)
-    _, path = fuzz.config_value(bases, fuzz.random.Random(0))
+    bases = mutations.make_bases(tmp_path)
+    _, path = mutations.config_value(bases, random.Random(0))
 
     def crash(*args: object, **kwargs: object) -> None:
         raise KeyError("boom")
@@ -48,10 +50,10 @@ def test_the_fuzzer_sees_a_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_unmutated_bases_load(tmp_path: Path) -> None:
-    bases = fuzz.make_bases(tmp_path)
+    bases = mutations.make_bases(tmp_path)
     gguf_path = tmp_path / "plain.gguf"
     gguf_path.write_bytes(bases.gguf_bytes)
-    folder = fuzz.write_safetensors(tmp_path / "plain", bases.config, bases.st_bytes)
+    folder = mutations.write_safetensors(tmp_path / "plain", bases.config, bases.st_bytes)
     assert fuzz.judge("none", gguf_path, 5.0).result == "loaded"
     assert fuzz.judge("none", folder, 5.0).result == "loaded"
 
