@@ -191,7 +191,8 @@ def test_lazy_rotary_rows_equal_full_context_tables_bit_for_bit(preset: str, cha
 
 
 def test_a_huge_declared_context_builds_small_tables_and_positions_past_them_are_errors() -> None:
-    from minilade.config import MAX_CONTEXT, ModelConfig
+    from minilade.config import ModelConfig
+    from minilade.config_checks import MAX_CONTEXT
     from minilade.model import Transformer
     model = Transformer(ModelConfig.preset("tiny-mha").replace(vocab_size=16, max_seq_len=MAX_CONTEXT)).init_random()
     assert model.rope_cos.shape[0] == 64  # not 2^21 rows (about 1 GB at head_dim 128)

@@ -92,7 +92,7 @@ def test_sampling_touches_no_global_rng() -> None:
 def test_penalties_by_hand() -> None:
     """HF repetition penalty (divide a positive logit, multiply a negative one), then OpenAI frequency (per
     occurrence in the output) and presence (once) penalties."""
-    from minilade.sampling import TokenHistory, penalize
+    from minilade.penalties import TokenHistory, penalize
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
     logits = torch.tensor([2.0, -2.0, 1.0, 3.0])
     seen = torch.tensor([True, True, False, False])

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from ..config import ModelConfig, RopeScaling, check_values
+from ..config import ModelConfig, RopeScaling
+from ..config_checks import check_values
 from ..errors import (
     CheckpointError,
     UnsupportedCheckpointError,

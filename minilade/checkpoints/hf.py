@@ -14,7 +14,8 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..config import ROPE_KINDS, ModelConfig, RopeScaling, check_values
+from ..config import ROPE_KINDS, ModelConfig, RopeScaling
+from ..config_checks import check_values
 from ..errors import (
     CheckpointError,
     UnsupportedCheckpointError,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from minilade.decoding import Auto, Autoregressive, Lookahead
-from minilade.sampling import SamplingParams, TokenHistory
+from minilade.penalties import TokenHistory
+from minilade.sampling import SamplingParams
 
 from ..helpers import FLAT_COSTS, chi_square_p_value, exact_distribution, run_tokens, sample_counts, tiny_model
 
