@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
+from ..masks import CandidateTree
+
 Key = tuple[str, Hashable]  # (source, bucket)
 
 
@@ -66,38 +68,32 @@ class Calibration:
 
 @dataclass
 class DraftTree:
-    """Paths merged into a trie. Node i: tokens[i], parent[i] (-1: the root x), chance[i] (of being accepted),
-    key[i] (the calibration key of the most confident source that proposed it)."""
+    """Paths merged into the trie of masks.CandidateTree, with a score per node. Node i: tokens[i], parent[i]
+    (-1: the root x), chance[i] (of being accepted), key[i] (the calibration key of the most confident source that
+    proposed it). Nodes are numbered as the trie numbers them: path by path, token by token, new prefixes only."""
 
     tokens: list[int] = field(default_factory=list)
     parent: list[int] = field(default_factory=list)
     chance: list[float] = field(default_factory=list)
     key: list[Key] = field(default_factory=list)
-    _child: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent, token) -> node
 
     @classmethod
     def merge(cls, paths: Sequence[DraftPath], calibration: Calibration, max_depth: int | None = None
               ) -> "DraftTree":
-        tree = cls()
-        for path in paths:
-            tree.add(path, calibration, max_depth)
+        """Paths (each cut to max_depth tokens) in order: a node's chance is the first path's through it, raised
+        when a later path through it is more confident (its descendants keep theirs)."""
+        paths = [DraftPath(p.tokens[:max_depth], p.keys[:max_depth]) for p in paths]
+        trie = CandidateTree.of([p.tokens for p in paths])
+        n = trie.size
+        tree = cls(trie.tokens.tolist(), [-1] * n, [-1.0] * n, [None] * n)
+        for path, nodes in zip(paths, trie.node_of.tolist()):
+            above, parent = 1.0, -1
+            for node, key in zip(nodes, path.keys):
+                chance = above * calibration.chance(key)
+                if chance > tree.chance[node]:  # new, or a more confident source: raise this node only
+                    tree.chance[node], tree.key[node] = chance, key
+                tree.parent[node], above, parent = parent, tree.chance[node], node
         return tree
-
-    def add(self, path: DraftPath, calibration: Calibration, max_depth: int | None = None) -> None:
-        node, above = -1, 1.0
-        for token, key in list(zip(path.tokens, path.keys))[:max_depth]:
-            chance = above * calibration.chance(key)
-            child = self._child.get((node, token))
-            if child is None:
-                child = len(self.tokens)
-                self._child[(node, token)] = child
-                self.tokens.append(token)
-                self.parent.append(node)
-                self.chance.append(chance)
-                self.key.append(key)
-            elif chance > self.chance[child]:  # a more confident source: raise this node, not its descendants
-                self.chance[child], self.key[child] = chance, key
-            node, above = child, self.chance[child]
 
     def __len__(self) -> int:
         return len(self.tokens)
