@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Sequence
@@ -10,12 +12,12 @@ from typing import Callable, Sequence
 import torch
 
 from minilade.config import ModelConfig
-from minilade.decoding import (Autoregressive, GenerationSettings, GenerationStats, Strategy, TokenRun,
-                               decode_tokens)
+from minilade.decoding import Autoregressive, GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens
 from minilade.decoding.step_costs import StepCosts
 from minilade.invariance import apply_exact_attention
 from minilade.model import Transformer
-from minilade.sampling import SamplingParams, TokenHistory, warp
+from minilade.penalties import TokenHistory
+from minilade.sampling import SamplingParams, warp
 
 
 def tiny_model(vocab: int = 16, seed: int = 0, std: float = 0.3, preset: str = "tiny-gqa",
@@ -56,6 +58,20 @@ def costs_of(seconds: Callable[[int], float]) -> StepCosts:
 
 
 FLAT_COSTS = costs_of(lambda T: 1.0)  # every step costs the same: auto feeds its whole budget
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """python -m minilade.generate with these arguments, its output captured."""
+    return subprocess.run([sys.executable, "-m", "minilade.generate", *args], input=stdin, capture_output=True,
+                          text=True, timeout=300)
+
+
+def assert_cli_error(result: subprocess.CompletedProcess, fact: str) -> None:
+    """The run failed with exit status 2 and one line on stderr that states `fact`, no traceback."""
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fact in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def write_tiny_checkpoint(folder: Path, words: str, max_positions: int, chat_template: str | None = None,

@@ -15,25 +15,13 @@ from minilade.generate import main
 from minilade.llm import LLM
 from minilade.tokenizer import Tokenizer
 
-from .helpers import write_tiny_checkpoint
+from .helpers import assert_cli_error, run_cli, write_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
 
 def tokenizer(folder: Path) -> Tokenizer:
     return Tokenizer.from_checkpoint(folder)
-
-
-def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "minilade.generate", *args], input=stdin, capture_output=True,
-                          text=True, timeout=300)
-
-
-def assert_one_line_error(result: subprocess.CompletedProcess, fact: str) -> None:
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and fact in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +81,11 @@ def test_prompt_from_stdin_and_stats_on_stderr(tiny_checkpoint: Path) -> None:
     (["--device", "meta"], "device 'meta' is not supported"),
 ])
 def test_bad_settings_fail_in_one_line(tiny_checkpoint: Path, args: list[str], fact: str) -> None:
-    assert_one_line_error(run_cli("hello", *(["--ckpt", str(tiny_checkpoint)] + args)), fact)
+    assert_cli_error(run_cli("hello", *(["--ckpt", str(tiny_checkpoint)] + args)), fact)
 
 
 def test_prompt_longer_than_context(tiny_checkpoint: Path) -> None:
-    assert_one_line_error(run_cli(" ".join(["a"] * 80), "--ckpt", str(tiny_checkpoint)), "context is 64 tokens")
+    assert_cli_error(run_cli(" ".join(["a"] * 80), "--ckpt", str(tiny_checkpoint)), "context is 64 tokens")
 
 
 def test_truncated_checkpoint(tiny_checkpoint: Path, tmp_path: Path) -> None:
@@ -105,7 +93,7 @@ def test_truncated_checkpoint(tiny_checkpoint: Path, tmp_path: Path) -> None:
         (tmp_path / name).write_bytes((tiny_checkpoint / name).read_bytes())
     data = (tiny_checkpoint / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[:len(data) // 2])
-    assert_one_line_error(run_cli("a b", "--ckpt", str(tmp_path)), "model.safetensors")
+    assert_cli_error(run_cli("a b", "--ckpt", str(tmp_path)), "model.safetensors")
 
 
 def test_wrong_architecture(tiny_checkpoint: Path, tmp_path: Path) -> None:
@@ -114,7 +102,7 @@ def test_wrong_architecture(tiny_checkpoint: Path, tmp_path: Path) -> None:
     config = json.loads((tmp_path / "config.json").read_text())
     config["model_type"] = "gpt2"
     (tmp_path / "config.json").write_text(json.dumps(config))
-    assert_one_line_error(run_cli("a b", "--ckpt", str(tmp_path)), "unsupported architecture 'gpt2'")
+    assert_cli_error(run_cli("a b", "--ckpt", str(tmp_path)), "unsupported architecture 'gpt2'")
 
 
 def test_interactive_chat_keeps_the_conversation(tmp_path: Path) -> None:
@@ -131,7 +119,7 @@ def test_interactive_chat_keeps_the_conversation(tmp_path: Path) -> None:
 
 
 def test_chat_without_template(tiny_checkpoint: Path) -> None:
-    assert_one_line_error(run_cli("a b", "--chat", "--ckpt", str(tiny_checkpoint)), "no chat template")
+    assert_cli_error(run_cli("a b", "--chat", "--ckpt", str(tiny_checkpoint)), "no chat template")
 
 
 def test_main_returns_exit_code(tiny_checkpoint: Path, capsys) -> None:
@@ -188,7 +176,7 @@ def test_quantized_lookahead_equals_quantized_plain_decoding(tiny_checkpoint: Pa
 
 
 def test_bad_group_size_fails_before_loading(tiny_checkpoint: Path) -> None:
-    assert_one_line_error(run_cli("a", "--ckpt", "/nonexistent.gguf", "--quantize", "int4", "--group-size", "48"),
+    assert_cli_error(run_cli("a", "--ckpt", "/nonexistent.gguf", "--quantize", "int4", "--group-size", "48"),
                           "group_size must be one of")
 
 
@@ -202,7 +190,7 @@ def test_auto_on_a_tiny_context_shrinks_its_steps_and_lookahead_says_what_to_cha
     assert plain.returncode == 0 and auto.returncode == 0, auto.stderr
     assert json.loads(auto.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
     assert json.loads(auto.stdout)["finish_reason"] == "context"
-    assert_one_line_error(run_cli(*common, "--strategy", "lookahead", "-W", "12"),
+    assert_cli_error(run_cli(*common, "--strategy", "lookahead", "-W", "12"),
                           "feeds up to 51 tokens, more than the model's whole context of 32; choose a smaller "
                           "window (-W)")
 
@@ -242,11 +230,11 @@ def test_strategy_options_are_the_strategies_fields_with_their_defaults() -> Non
 
 
 def test_an_option_the_strategy_does_not_have_is_a_one_line_error() -> None:
-    assert_one_line_error(run_cli("a", "--ckpt", "/nonexistent.gguf", "--strategy", "lookahead", "--recycle-topk",
+    assert_cli_error(run_cli("a", "--ckpt", "/nonexistent.gguf", "--strategy", "lookahead", "--recycle-topk",
                                   "2"), "--recycle-topk applies to --strategy auto, not lookahead")
-    assert_one_line_error(run_cli("a", "--ckpt", "/nonexistent.gguf", "--strategy", "autoregressive", "-W", "3"),
+    assert_cli_error(run_cli("a", "--ckpt", "/nonexistent.gguf", "--strategy", "autoregressive", "-W", "3"),
                           "--window applies to --strategy lookahead or auto, not autoregressive")
-    assert_one_line_error(run_cli("a", "--ckpt", "/nonexistent.gguf", "--recycle-topk", "-1"), "recycle_topk")
+    assert_cli_error(run_cli("a", "--ckpt", "/nonexistent.gguf", "--recycle-topk", "-1"), "recycle_topk")
 
 
 def test_auto_options_on_the_command_line_give_plain_decodings_tokens(tiny_checkpoint: Path) -> None:

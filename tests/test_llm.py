@@ -36,13 +36,16 @@ def test_streams_of_one_llm_do_not_disturb_each_other(llm: LLM) -> None:
     assert "".join(started + rest) == alone.text and stream.result.token_ids == alone.token_ids
 
 
-def test_a_finished_stream_hands_its_cache_to_the_next(llm: LLM) -> None:
+def test_a_finished_stream_hands_its_cache_to_the_next(llm: LLM, monkeypatch) -> None:
     llm.generate("a b", max_new_tokens=4)
-    spare = llm._spare_cache
-    stream = llm.stream("c d", max_new_tokens=4)
-    assert llm._spare_cache is None  # held by the stream
-    list(stream)
-    assert llm._spare_cache is spare
+    made, new_cache = [], llm.model.new_cache
+    monkeypatch.setattr(llm.model, "new_cache", lambda *args, **kwargs: made.append(args) or new_cache(*args, **kwargs))
+    llm.generate("c d", max_new_tokens=4)
+    assert made == []  # the finished generation's cache was taken again
+    held = iter(llm.stream("e f", max_new_tokens=4))
+    next(held)  # this stream holds the cache now
+    llm.generate("g h", max_new_tokens=4)
+    assert len(made) == 1  # so the next generation needed a cache of its own
 
 
 def test_the_caller_never_runs_in_inference_mode(llm: LLM) -> None:
@@ -132,8 +135,11 @@ def test_from_transformers_equals_loading_the_same_weights_from_disk(tmp_path: P
 
 
 def test_the_default_strategy_is_auto_with_plain_decodings_output(llm: LLM) -> None:
-    """Issue 11: the strategy this project exists for is the default; plain decoding is one option away."""
+    """The strategy this project exists for is the default, and it does draft: it fed drafts, accepted some
+    (fewer forward passes than tokens), and gave plain decoding's tokens; plain decoding is one option away."""
     default = llm.generate("the cat sat on the mat the cat", max_new_tokens=30)
     plain = llm.generate("the cat sat on the mat the cat", max_new_tokens=30, strategy="autoregressive")
     assert default.stats.strategy == "auto" and plain.stats.strategy == "autoregressive"
     assert default.token_ids == plain.token_ids
+    assert any(not kind.plain for kind in default.stats.step_kinds), default.stats.step_kinds
+    assert default.stats.forward_passes < default.stats.new_tokens == plain.stats.forward_passes

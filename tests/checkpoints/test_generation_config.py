@@ -8,8 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from minilade.checkpoints.generation_config import (check_sampling, defaults_from_hf, merge_sampling,
-                                                    read_generation_defaults)
+from minilade.checkpoints.generation_config import (
+    check_sampling,
+    defaults_from_hf,
+    merge_sampling,
+    read_generation_defaults,
+)
 from minilade.errors import CheckpointError
 from minilade.sampling import SamplingParams
 
@@ -70,8 +74,8 @@ def test_no_file_no_defaults(tmp_path: Path) -> None:
 def test_the_checkpoint_defaults_reach_the_library_and_the_command_line(tmp_path: Path) -> None:
     from minilade.llm import LLM
 
-    from ..helpers import write_tiny_checkpoint
-    from ..test_cli import assert_one_line_error, run_cli
+    from ..helpers import assert_cli_error, run_cli, write_tiny_checkpoint
+
     folder = write_tiny_checkpoint(tmp_path, "a b c d hello world", max_positions=64)
     (folder / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.5, "eos_token_id": 2}))
     llm = LLM.load(folder, progress=False)
@@ -84,5 +88,5 @@ def test_the_checkpoint_defaults_reach_the_library_and_the_command_line(tmp_path
     assert json.loads(run_cli(*common).stdout)["token_ids"] == by_default
     overridden = run_cli(*common, "--repetition-penalty", "1", "--strategy", "autoregressive")
     assert json.loads(overridden.stdout)["token_ids"] != by_default
-    assert_one_line_error(run_cli(*common, "--repetition-penalty", "0"), "repetition_penalty must be > 0")
-    assert_one_line_error(run_cli(*common, "--presence-penalty", "3"), "presence_penalty must be in [-2, 2]")
+    assert_cli_error(run_cli(*common, "--repetition-penalty", "0"), "repetition_penalty must be > 0")
+    assert_cli_error(run_cli(*common, "--presence-penalty", "3"), "presence_penalty must be in [-2, 2]")

@@ -10,16 +10,24 @@ import torch
 import minilade.decoding.step_costs as step_costs
 import minilade.memo as memo
 from minilade.decoding import Autoregressive
-from minilade.decoding.base import StepKind
 from minilade.decoding.auto import Auto, best_plan
+from minilade.decoding.base import StepKind
 from minilade.decoding.step_costs import StepCosts, step_costs_for
 from minilade.device import make_exact
 from minilade.memo import read_table
 from minilade.quant import quantize_embedding, quantize_linears
 from minilade.sampling import SamplingParams
 
-from ..helpers import (FLAT_COSTS, checked_runs, chi_square_p_value, costs_of, exact_distribution, run_tokens,
-                       sample_counts, tiny_model)
+from ..helpers import (
+    FLAT_COSTS,
+    checked_runs,
+    chi_square_p_value,
+    costs_of,
+    exact_distribution,
+    run_tokens,
+    sample_counts,
+    tiny_model,
+)
 
 
 def test_step_costs_interpolate_between_measured_sizes() -> None:

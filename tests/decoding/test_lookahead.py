@@ -6,7 +6,6 @@ import itertools
 
 import pytest
 import torch
-
 import torch.nn.functional as F
 
 from minilade.config import ModelConfig

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from minilade.decoding.step_costs import StepCosts
-from minilade.masks import CandidateTree, LookaheadLayout, StepShape
 from minilade.invariance import apply_exact_attention
+from minilade.masks import CandidateTree, LookaheadLayout, StepShape
 from minilade.model import Transformer
 
 PROMPT = [3, 17, 5, 9, 3, 17, 5, 2, 11, 4, 3, 17]

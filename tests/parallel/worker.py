@@ -13,8 +13,16 @@ import torch
 import torch.distributed as dist
 
 from minilade.checkpoints import open_checkpoint
-from minilade.decoding import (Auto, Autoregressive, GenerationSettings, GenerationStats, Lookahead, Strategy, TokenRun,
-                               decode_tokens)
+from minilade.decoding import (
+    Auto,
+    Autoregressive,
+    GenerationSettings,
+    GenerationStats,
+    Lookahead,
+    Strategy,
+    TokenRun,
+    decode_tokens,
+)
 from minilade.model import Transformer
 from minilade.parallel import TensorParallelError, end_failed_run, from_rank0, init_tensor_parallel, shutdown
 from minilade.parallel.load import build_rank_model, checkpoint_parts
