@@ -4,9 +4,9 @@ Lookahead's output equals plain decoding's only if a token's logits do not depen
 computed them. `make_exact` installs the attention kernel that is so by construction (minilade/invariance.py);
 weight matmuls depend on the kernel the library picks, so it also measures, per weight shape, a row tiling under
 which rows come out the same at every row count (`find_tiling`), for the plain kernel and for oneDNN's prepacked
-one, keeps the faster, and then checks the whole model: a token's logits from a one-row step must equal its row in a wide masked step, bitwise
-(`check_invariance`). What it found is kept per machine in a small JSON file, like the step costs.
-On CUDA nothing of this is applied: the stock kernels stay (untested here; see docs).
+one, keeps the faster, and then checks the whole model: a token's logits from a one-row step must equal its row
+in a wide masked step, bitwise (`check_invariance`). What it found is kept per machine in a small JSON file, like
+the step costs. On CUDA nothing of this is applied: the stock kernels stay (untested there; see docs).
 """
 
 from __future__ import annotations

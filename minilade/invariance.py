@@ -295,7 +295,7 @@ def find_tiling(weight: torch.Tensor, packed: bool, seed: int = 0) -> RowTiling 
     scaled by powers of two from 2^-6 to 2^6, so that partial sums round differently in any other order. In
     bfloat16 the sums are rounded to 8 bits on the way out, which hides most of an order's difference: a probe
     with the real weight and unscaled inputs passed a one-row kernel of a bfloat16 model that rounded rows of
-    the real model differently (AVX512-BF16 CPU, measured: docs/benchmarks.md, fifth session of 2026-12-02)."""
+    the real model differently (AVX512-BF16 CPU, measured: docs/history.md)."""
     gen = torch.Generator().manual_seed(seed)
     probe_weight = torch.randn(weight.shape, generator=gen).to(weight.dtype)
     x = torch.randn(2 * max(PROBE_ROWS), weight.shape[1], generator=gen)

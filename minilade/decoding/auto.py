@@ -27,8 +27,15 @@ import torch
 
 from ..drafts.history import DraftHistory
 from ..drafts.recycle import RecycleTable
-from ..drafts.sources import (DraftSource, HistoryDrafts, PoolDrafts, RecycledDrafts, SuffixDrafts,
-                              replay_calibration, text_sources)
+from ..drafts.sources import (
+    DraftSource,
+    HistoryDrafts,
+    PoolDrafts,
+    RecycledDrafts,
+    SuffixDrafts,
+    replay_calibration,
+    text_sources,
+)
 from ..drafts.suffix import SuffixIndex
 from ..drafts.tree import Calibration, DraftPath, DraftTree
 from ..masks import CandidateTree, StepShape

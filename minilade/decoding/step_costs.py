@@ -99,7 +99,7 @@ def step_costs_for(model: Transformer, sizes: Sequence[int], cost_file: str | Pa
 def cost_key(model: Transformer) -> str:
     """What the cost of a step depends on: the model's shape, dtype, quantized layers, device (the processor, on the
     CPU), the torch build and the version of minilade's step kernels.
-    (device.make_invariant keeps its verdicts under the same key: they depend on the same things.)"""
+    (device.make_exact keeps its verdicts under the same key: they depend on the same things.)"""
     c = model.config
     device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else f"cpu {processor()}"
     quantized = quantized_layers(model)
