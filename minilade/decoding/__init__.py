@@ -1,10 +1,11 @@
 """Decoding strategies and the one generation loop that runs them.
 
     base.py            Strategy (user settings) -> Decoder (one generation's state) -> Step (what one pass did)
-    loop.py            GenerationSettings (checked once) and decode_tokens: prefill, steps, budget, EOS, statistics
+    loop.py            GenerationSettings and decode_tokens: prefill, steps, budget, EOS
+    stats.py           GenerationStats: what one generation did
     autoregressive.py  one token per forward pass
     lookahead.py       Lookahead decoding: the Jacobi window, the n-gram pool and verification in one pass
-    auto.py            lookahead with every step shaped from measured step costs and running acceptance
+    auto.py            the paper's pieces and more draft sources, every step shaped from measured step costs
     step_costs.py      what a forward pass of T tokens costs on this machine
 """
 
@@ -16,7 +17,8 @@ from .auto import Auto
 from .autoregressive import Autoregressive
 from .base import DecodeContext, Decoder, Step, Strategy
 from .lookahead import Lookahead
-from .loop import GenerationSettings, GenerationStats, TokenRun, decode_tokens
+from .loop import GenerationSettings, TokenRun, decode_tokens
+from .stats import GenerationStats
 
 STRATEGIES: dict[str, type[Strategy]] = {"autoregressive": Autoregressive, "lookahead": Lookahead, "auto": Auto}
 
