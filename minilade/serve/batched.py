@@ -1,0 +1,105 @@
+"""One forward pass over the rows of several generations, each over its own KV cache and mask.
+
+Every request's decoder asks for a forward pass exactly as it asks the model alone (`Transformer.forward`'s
+arguments: a `ForwardCall`). `batched_forward` runs the calls of one step together:
+
+    tokens of call 0 | tokens of call 1 | ...            concatenated along T: x (1, sum T_i, dim)
+    embedding, norms, wqkv, wo, gate_up, down            over all rows at once (weights read once per step)
+    rotary                                               each row by its own call's positions
+    attention                                            per call: its q, k, v rows, its cache, its mask
+    output head                                          only each call's logits_rows
+
+A row's result depends only on its own call: the norms, rotary, SiLU and residual adds work row by row; the weight
+matmuls of an exact model are row-count invariant (invariance.RowTiledLinear); attention runs per call, on the very
+tensors the call alone would give it. So each call gets bitwise the logits the model gives it alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..kv_cache import KVCache
+from ..model import Attention, Transformer
+
+
+@dataclass
+class ForwardCall:
+    """One decoder's forward pass: Transformer.forward's arguments.
+
+    tokens: (1, T) ids; input_pos: (T,) or (1, T) rotary positions; mask: (T, T) bool or None (causal);
+    logits_rows: (R,) rows to project to the vocabulary, None for all T.
+    """
+
+    tokens: torch.Tensor
+    input_pos: torch.Tensor
+    cache: KVCache
+    mask: torch.Tensor | None = None
+    logits_rows: torch.Tensor | None = None
+
+
+@dataclass
+class PreparedCall:
+    """What a call needs inside the pass: its rotary rows (1, T, 1, D), its kernel step, its logits rows (R,)."""
+
+    call: ForwardCall
+    cos: torch.Tensor
+    sin: torch.Tensor
+    step: Any
+    rows: torch.Tensor
+
+    @property
+    def T(self) -> int:
+        return self.call.tokens.shape[1]
+
+
+def prepare_call(model: Transformer, call: ForwardCall) -> PreparedCall:
+    """Check a call as Transformer.forward does (room in its cache, positions inside the rotary tables, mask
+    shape: a ValueError for this call alone) and make what every layer needs of it."""
+    B, T = call.tokens.shape
+    if B != 1:
+        raise ValueError(f"a shared forward pass takes one sequence per call, got tokens of shape "
+                         f"{tuple(call.tokens.shape)}")
+    call.cache.check_room(T)
+    input_pos = call.input_pos.reshape(1, T)
+    model.cover_positions(call.cache.capacity)
+    cos, sin = model.rotary(input_pos)  # (1, T, 1, D)
+    past = call.cache.length
+    visible, reach = model.step_masks(call.mask, past, T, input_pos)
+    step = model.attention_kernel.prepare(visible, reach, past, model.dtype)
+    rows = call.logits_rows if call.logits_rows is not None else torch.arange(T, device=model.device)
+    return PreparedCall(call, cos, sin, step, rows.to(model.device))
+
+
+def batched_forward(model: Transformer, calls: list[PreparedCall]) -> list[torch.Tensor]:
+    """Logits of each call, (1, R_i, V) in the model dtype, computed in one pass over all their rows.
+
+    Each call's K/V are written into its own cache at [length, length + T_i); no cache length changes (the
+    call's decoder commits or compacts afterwards, as after Transformer.forward).
+    """
+    sizes = [p.T for p in calls]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    tokens = torch.cat([p.call.tokens for p in calls], dim=1)  # (1, sum T)
+    cos = torch.cat([p.cos for p in calls], dim=1)  # (1, sum T, 1, D)
+    sin = torch.cat([p.sin for p in calls], dim=1)
+    x = model.tok_embeddings(tokens).to(model.dtype)  # (1, sum T, dim)
+    for i, layer in enumerate(model.layers):
+        x = x + attend(layer.attention, layer.attention_norm(x), cos, sin, calls, starts, i, model)
+        x = x + layer.feed_forward(layer.ffn_norm(x))
+    rows = torch.cat([start + p.rows for start, p in zip(starts, calls)])
+    logits = model.output(model.norm(x[:, rows]))  # (1, sum R, V)
+    return list(logits.split([p.rows.numel() for p in calls], dim=1))
+
+
+def attend(attention: Attention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, calls: list[PreparedCall],
+           starts: list[int], layer: int, model: Transformer) -> torch.Tensor:
+    """One layer's attention: q, k, v projected for all rows together, then each call's rows attend over its own
+    cache through its own prepared step. h: (1, sum T, dim) -> (1, sum T, dim)."""
+    q, k, v = attention.project(h, cos, sin)  # (1, H, sum T, D), (1, Hkv, sum T, D) x 2
+    kernel = model.attention_kernel
+    out = [kernel(q[:, :, a:a + p.T], k[:, :, a:a + p.T], v[:, :, a:a + p.T], p.call.cache, layer, p.step)
+           for a, p in zip(starts, calls)]  # each (1, H, T_i, D)
+    y = torch.cat(out, dim=2)  # (1, H, sum T, D)
+    return attention.wo(y.transpose(1, 2).reshape(1, h.shape[1], -1))

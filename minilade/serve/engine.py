@@ -1,0 +1,249 @@
+"""The engine: one thread owns the model and runs every forward pass; each request's generation shares them.
+
+Each admitted request runs the library's own generation (llm.TextStream: decode_tokens with any strategy, stop
+strings, streaming text) in a worker thread of its own, against a `ModelProxy` instead of the model. The proxy does
+not compute: a decoder's forward call is handed to the engine and the worker blocks until its logits come back. The
+engine waits until every running request is blocked in a forward call (or has finished), then runs one pass over
+all their rows (batched.batched_forward) and hands each its logits. The decoders are unchanged, and each sees
+exactly the logits it would get alone, so each answer is the one it gets alone.
+
+    HTTP (asyncio) --submit--> waiting (bounded) --admit--> running (<= max_concurrent worker threads)
+                                                               | forward call, blocks
+    engine thread: wait for every running worker's call -> one batched pass -> logits to each -> repeat
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..decoding import GenerationSettings
+from ..kv_cache import KVCache
+from ..llm import LLM, TextStream
+from .batched import ForwardCall, batched_forward, prepare_call
+from .errors import busy, unavailable
+from .metrics import Metrics
+
+log = logging.getLogger("minilade.serve")
+
+
+class Cancelled(Exception):
+    """Raised inside a worker's forward call when its request was cancelled (client gone, server stopping)."""
+
+
+@dataclass
+class Job:
+    """One request's generation. deliver(kind, value) is called from the worker thread with ("piece", text) as
+    text streams, then once with ("done", Generation), ("cancelled", None) or ("error", exception)."""
+
+    prompt_ids: list[int]
+    settings: GenerationSettings
+    deliver: Callable[[str, object], None]
+    cancelled: bool = False
+
+
+@dataclass
+class PendingCall:
+    """A worker's forward call waiting for the engine."""
+
+    forward: ForwardCall
+    done: threading.Event = field(default_factory=threading.Event)
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+
+    def answer(self, logits: torch.Tensor | None = None, error: BaseException | None = None) -> None:
+        self.logits, self.error = logits, error
+        self.done.set()
+
+
+@dataclass(eq=False)
+class Slot:
+    """A running request: its job, its worker thread and the forward call it is blocked in (None while it works)."""
+
+    job: Job
+    thread: threading.Thread | None = None
+    call: PendingCall | None = None
+
+
+class ModelProxy:
+    """What a decoder sees as its model: the real model's config, device, dtype, attention kernel and caches, but a
+    forward call goes to the engine (Transformer.forward's signature)."""
+
+    def __init__(self, engine: Engine, slot: Slot) -> None:
+        self._engine, self._slot, model = engine, slot, engine.llm.model
+        self.config, self.attention_kernel, self.device, self.dtype = (model.config, model.attention_kernel,
+                                                                        model.device, model.dtype)
+
+    def new_cache(self, capacity: int | None = None, batch_size: int = 1, cache_type: type[KVCache] | None = None
+                  ) -> KVCache:
+        """As Transformer.new_cache; the rotary tables already cover the context (Engine.__init__)."""
+        cache_type = cache_type or self.attention_kernel.cache_type
+        return cache_type(self.config, capacity or self.config.max_seq_len, batch_size=batch_size, dtype=self.dtype,
+                          device=self.device)
+
+    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
+                 mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self._engine.forward(self._slot, ForwardCall(tokens, input_pos, cache, mask, logits_rows))
+
+
+class Engine:
+    """Runs the generations of up to max_concurrent requests together; up to queue_size more wait their turn."""
+
+    def __init__(self, llm: LLM, *, max_concurrent: int = 8, queue_size: int = 32,
+                 metrics: Metrics | None = None) -> None:
+        self.llm, self.max_concurrent, self.queue_size = llm, max_concurrent, queue_size
+        self.metrics = metrics or Metrics()
+        self.metrics.gauges.update(minilade_requests_running=lambda: len(self._running),
+                                   minilade_queue_depth=lambda: len(self._waiting))
+        llm.model.cover_positions(llm.model.config.max_seq_len)  # the rotary tables never change while serving
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: list[Slot] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="minilade-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; a 429 APIError when the queue is full, a 503 when the engine is stopping."""
+        with self._cond:
+            if self._stopping:
+                raise unavailable("the server is shutting down")
+            if len(self._waiting) >= self.queue_size:
+                raise busy(f"{len(self._waiting)} requests already wait for one of the {self.max_concurrent} places; "
+                           f"retry later")
+            self._waiting.append(job)
+            self._cond.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """Stop a job: dropped from the queue, or its worker's next forward call raises Cancelled (its rows and
+        cache are freed at the next step). Nothing happens to a job that has finished."""
+        with self._cond:
+            job.cancelled = True
+            if job in self._waiting:
+                self._waiting.remove(job)
+                job.deliver("cancelled", None)
+            self._cond.notify_all()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel everything still queued or running and wait (up to timeout seconds) for the engine to end."""
+        with self._cond:
+            self._stopping = True
+            for job in list(self._waiting):
+                job.deliver("cancelled", None)
+            self._waiting.clear()
+            for slot in self._running:
+                slot.job.cancelled = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- worker side ------------------------------------------------------------------------------------------
+
+    def forward(self, slot: Slot, call: ForwardCall) -> torch.Tensor:
+        """Called by a worker (through its ModelProxy): hand the call to the engine and wait for its logits."""
+        pending = PendingCall(call)
+        with self._cond:
+            if slot.job.cancelled:
+                raise Cancelled()
+            slot.call = pending
+            self._cond.notify_all()
+        pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+        return pending.logits
+
+    def _work(self, slot: Slot) -> None:
+        """A worker thread: the request's whole generation, its text handed out as it streams."""
+        job = slot.job
+        try:
+            view = LLM(ModelProxy(self, slot), self.llm.tokenizer, self.llm.name, self.llm.generation_defaults)
+            stream = TextStream(view, job.prompt_ids, job.settings)
+            for piece in stream:
+                job.deliver("piece", piece)
+            self.metrics.generation(stream.result.stats, cached_tokens=0)
+            job.deliver("done", stream.result)
+        except Cancelled:
+            self.metrics.add("minilade_requests_cancelled_total")
+            job.deliver("cancelled", None)
+        except Exception as error:  # noqa: BLE001 -- one request's failure is its own; the others go on
+            if not isinstance(error, ValueError):
+                log.exception("generation failed")
+            job.deliver("error", error)
+        finally:
+            with self._cond:
+                self._running.remove(slot)
+                self._cond.notify_all()
+
+    # ---- engine side ------------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(self._ready)
+                if self._stopping and not self._running:
+                    return
+                self._admit()
+                if not self._running or any(slot.call is None for slot in self._running):
+                    continue  # the admitted workers have not asked for their first pass yet
+                slots = list(self._running)
+                calls = [slot.call for slot in slots]
+                for slot in slots:
+                    slot.call = None
+            self._step([slot.job for slot in slots], calls)
+
+    def _ready(self) -> bool:
+        """Something to do: every running worker waits in a forward call, or a queued job can be admitted, or the
+        engine stops and nothing runs."""
+        if self._stopping:
+            return not self._running or all(slot.call is not None for slot in self._running)
+        admissible = bool(self._waiting) and len(self._running) < self.max_concurrent
+        blocked = bool(self._running) and all(slot.call is not None for slot in self._running)
+        return admissible or blocked
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_concurrent and not self._stopping:
+            slot = Slot(self._waiting.popleft())
+            slot.thread = threading.Thread(target=self._work, args=(slot,), name="minilade-request", daemon=True)
+            self._running.append(slot)
+            slot.thread.start()
+
+    def _step(self, jobs: list[Job], calls: list[PendingCall]) -> None:
+        """One shared forward pass over the calls of every running request; a call that cannot run (its request
+        was cancelled, or its input is invalid) gets its error instead, without touching the others."""
+        model = self.llm.model
+        with torch.inference_mode():
+            ready = []
+            for job, call in zip(jobs, calls):
+                if job.cancelled:
+                    call.answer(error=Cancelled())
+                    continue
+                try:
+                    ready.append((call, prepare_call(model, call.forward)))
+                except ValueError as error:
+                    call.answer(error=error)
+            if not ready:
+                return
+            try:
+                logits = batched_forward(model, [prepared for _, prepared in ready])
+            except Exception:  # noqa: BLE001 -- never let one call's fault reach the others: run each alone
+                log.exception("a shared pass failed; running its calls one by one")
+                logits = [self._alone(model, prepared, call) for call, prepared in ready]
+        self.metrics.forward_pass(len(ready), sum(prepared.T for _, prepared in ready))
+        for (call, _), result in zip(ready, logits):
+            if result is not None:
+                call.answer(result)
+
+    @staticmethod
+    def _alone(model, prepared, call: PendingCall) -> torch.Tensor | None:
+        try:
+            return batched_forward(model, [prepared])[0]
+        except Exception as error:  # noqa: BLE001
+            call.answer(error=error)
+            return None
