@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Protocol
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ..config import ModelConfig
 from ..errors import CheckpointError
@@ -74,7 +75,9 @@ class Checkpoint:
 
     def _finite(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in tensors:
-            if not torch.isfinite(tensor).all():
+            # One reduction first: a sum is finite only if every term is; only an overflowing sum of finite
+            # values (a half-precision tensor, say) needs the elementwise check.
+            if not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
                 raise CheckpointError(f"{self.path}: tensor {self._label(name)} holds NaN or infinite values")
             yield name, tensor
 
@@ -111,11 +114,21 @@ def _open_safetensors_folder(path: Path) -> Checkpoint:
     return Checkpoint(path=path, format="safetensors", config=config, source=source)
 
 
+class _SkipInit(TorchFunctionMode):
+    """Skips torch.nn.init's initialisers (every module's reset_parameters calls them). On the meta device they
+    would fill nothing, but the first one, the embedding's normal_, imports torch._dynamo (2-3 s)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype,
                 device: torch.device | str) -> Transformer:
     """A Transformer with the given canonical-named weights (converted to dtype/device), built on the meta device
     so no random weights are ever allocated and the weights exist in memory once."""
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInit():
         model = Transformer(config)
     state = model_state_dict(tensors, config, dtype=dtype, device=device)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)

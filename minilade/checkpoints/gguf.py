@@ -35,6 +35,7 @@ from ..errors import (
     UnsupportedModelError,
 )
 from .families import Family, family_of_gguf_arch
+from .gguf_blocks import BLOCK_TYPES, dequantize_blocks
 from .gguf_file import read_gguf_file
 from .names import canonical_name, checkpoint_tensors, gguf_name, layout_flags
 
@@ -44,9 +45,9 @@ FLOAT_TYPES: dict[QType, torch.dtype] = {
     QType.F16: torch.float16,
     QType.BF16: torch.bfloat16,
 }
-# Block-quantised types dequantised to float32 with gguf.quants: the legacy and k-quant types, the i-quants and
-# ternary types llama.cpp's quantize tool writes for LLaMA-family files; each is checked by
-# tests/checkpoints/test_gguf.py. (Q4_0 / Q4_1 may instead be kept as they are for int4 kernels: gguf_quant.py.)
+# Block-quantised types dequantised to float32 (Q4_0, Q4_1 and Q8_0 in torch by gguf_blocks.py, the others with
+# gguf.quants): the legacy and k-quant types, the i-quants and ternary types llama.cpp's quantize tool writes for
+# LLaMA-family files; each is checked by tests/checkpoints/test_gguf.py. (Q4_0 / Q4_1 may instead be kept as they are for int4 kernels: gguf_quant.py.)
 QUANTISED_TYPES: frozenset[QType] = frozenset({
     QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0,
     QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
@@ -85,6 +86,8 @@ def to_torch(tensor: gguf.ReaderTensor, path: Path) -> torch.Tensor:
     if kind == QType.BF16:
         # The reader gives BF16 as raw bytes per row; two bytes are one bfloat16.
         return torch.from_numpy(np.array(tensor.data).view(np.int16)).view(torch.bfloat16)
+    if kind in BLOCK_TYPES:
+        return dequantize_blocks(tensor.data, kind)
     if kind in QUANTISED_TYPES:
         return torch.from_numpy(gguf.quants.dequantize(tensor.data, kind))
     raise _unsupported_type(tensor, path)

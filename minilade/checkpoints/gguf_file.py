@@ -40,6 +40,7 @@ _SCALARS: dict[VType, np.dtype] = {
     VType.FLOAT32: np.dtype("<f4"), VType.BOOL: np.dtype("?"), VType.UINT64: np.dtype("<u8"),
     VType.INT64: np.dtype("<i8"), VType.FLOAT64: np.dtype("<f8"),
 }
+_STRUCTS = {fmt: struct.Struct(fmt) for fmt in ("<I", "<Q")}
 # Numpy's view of each stored tensor type: plain types by element, every other type as raw bytes.
 _ELEMENT_TYPES = {QType.F32: np.float32, QType.F16: np.float16, QType.F64: np.float64, QType.I8: np.int8,
                   QType.I16: np.int16, QType.I32: np.int32, QType.I64: np.int64}
@@ -59,28 +60,29 @@ class _Corrupt(Exception):
 
 
 class _Cursor:
-    """Reads forward through the memory map, refusing any read past its end."""
+    """Reads forward through the memory map, refusing any read past its end. Reads go through a memoryview with
+    struct (a vocabulary is ~10^5 strings, so per-read overhead is most of the parse)."""
 
     def __init__(self, data: np.ndarray) -> None:
-        self.data, self.pos, self.items = data, 0, 0
+        self.data, self.view, self.pos, self.items = data, memoryview(data), 0, 0
 
     def left(self) -> int:
         return len(self.data) - self.pos
 
-    def take(self, size: int, what: str) -> np.ndarray:
+    def take(self, size: int, what: str) -> memoryview:
         if size > self.left():
             raise _Corrupt(f"{what} needs {size} bytes at offset {self.pos}, but only {self.left()} are left")
-        chunk = self.data[self.pos:self.pos + size]
+        chunk = self.view[self.pos:self.pos + size]
         self.pos += size
         return chunk
 
     def unpack(self, fmt: str, what: str) -> int:
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what).tobytes())[0]
+        return _STRUCTS[fmt].unpack(self.take(_STRUCTS[fmt].size, what))[0]
 
     def string(self, what: str) -> str:
-        raw = self.take(self.unpack("<Q", f"the length of {what}"), what).tobytes()
+        raw = self.take(self.unpack("<Q", f"the length of {what}"), what)
         try:
-            return raw.decode("utf-8")
+            return str(raw, "utf-8")
         except UnicodeDecodeError:
             raise _Corrupt(f"{what} is not UTF-8 text") from None
 
@@ -155,7 +157,10 @@ def _value(cur: _Cursor, kind: VType, key: str, depth: int) -> Any:
         dtype = _SCALARS[item_kind]
         cur.count_items(count, dtype.itemsize, f"metadata {key!r}")
         return np.frombuffer(cur.take(count * dtype.itemsize, key).tobytes(), dtype).tolist()
-    cur.count_items(count, 8 if item_kind == VType.STRING else 12, f"metadata {key!r}")
+    what = f"metadata {key!r}"
+    cur.count_items(count, 8 if item_kind == VType.STRING else 12, what)
+    if item_kind == VType.STRING:
+        return [cur.string(what) for _ in range(count)]
     return [_value(cur, item_kind, key, depth + 1) for _ in range(count)]
 
 

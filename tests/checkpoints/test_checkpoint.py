@@ -65,3 +65,38 @@ def test_build_model_errors_name_the_file_through_load_model(tmp_path: Path, tin
                         lambda self: ((n, t) for n, t in original() if n != "model.norm.weight"))
     assert_one_line_error(lambda: checkpoint.load_model(dtype=torch.float32, device="cpu"),
                           f"{tmp_path}: weights do not fit the model: missing ['norm.weight']")
+
+
+@pytest.mark.parametrize("value, refused", [(60000.0, False), (float("inf"), True), (float("-inf"), True)])
+def test_finite_check_is_exact_where_a_sum_overflows(tmp_path: Path, tiny_llama: TinyLlama, value: float,
+                                                     refused: bool) -> None:
+    """float16 weights near the format's largest value sum to infinity yet are finite: they load; an infinity is
+    refused. (The check sums a tensor first and looks at each value only when the sum is not finite.)"""
+    from safetensors.torch import save_file
+
+    model = tiny_llama("mha-untied")
+    model.save_pretrained(tmp_path)
+    state = {k: v.to(torch.float16) for k, v in model.state_dict().items()}
+    state["model.layers.0.mlp.up_proj.weight"][:2] = value
+    save_file(state, tmp_path / "model.safetensors")
+    checkpoint = open_checkpoint(tmp_path, progress=False)
+    if refused:
+        with pytest.raises(CheckpointError, match="holds NaN or infinite values"):
+            checkpoint.load_model(dtype=torch.float32, device="cpu")
+    else:
+        loaded = checkpoint.load_model(dtype=torch.float16, device="cpu")
+        assert torch.equal(loaded.layers[0].feed_forward.w_gate_up.weight[96:98], torch.full((2, 64), value).half())
+
+
+def test_building_a_model_initialises_nothing(tmp_path: Path, tiny_llama: TinyLlama) -> None:
+    """Loading builds the modules on the meta device and skips their initialisers: on meta they fill nothing, but
+    the embedding's would import torch._dynamo, seconds of every start."""
+    import subprocess
+    import sys
+
+    tiny_llama("gqa-tied").save_pretrained(tmp_path)
+    code = ("import sys, torch; from minilade.checkpoints import open_checkpoint; "
+            f"open_checkpoint({str(tmp_path)!r}, progress=False).load_model(dtype=torch.float32, device='cpu'); "
+            "print('torch._dynamo' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "False"
