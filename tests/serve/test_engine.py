@@ -1,0 +1,104 @@
+"""The engine in this process: its bounded queue, one request's failure kept to itself, cancellation, and the
+server's exit on SIGTERM with an answer in flight."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+
+import httpx
+import pytest
+
+from minilade import LLM
+from minilade.decoding import GenerationSettings, make_strategy
+from minilade.serve.engine import Engine, Job
+from minilade.serve.errors import APIError
+from tests.helpers import FLAT_COSTS
+
+from .helpers import CONTEXT, start_server
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt, kept_tables) -> LLM:
+    return LLM.load(tiny_ckpt, dtype="float32", check_file=kept_tables / "invariance.json", progress=False)
+
+
+def job(prompt: list[int], strategy: str = "autoregressive", max_new_tokens: int = 24) -> tuple[Job, queue.Queue]:
+    events: queue.Queue = queue.Queue()
+    settings = GenerationSettings(make_strategy(strategy, costs=FLAT_COSTS), max_new_tokens=max_new_tokens)
+    return Job(prompt, settings, lambda kind, value: events.put((kind, value))), events
+
+
+def outcome(events: queue.Queue) -> tuple[str, object]:
+    while True:
+        kind, value = events.get(timeout=60)
+        if kind != "piece":
+            return kind, value
+
+
+def test_queue_full_is_429_with_retry_after(llm):
+    engine = Engine(llm, max_concurrent=1, queue_size=2)  # not started: every job stays queued
+    waiting = [job([5, 6, 7]) for _ in range(2)]
+    for j, _ in waiting:
+        engine.submit(j)
+    with pytest.raises(APIError) as caught:
+        engine.submit(job([5, 6, 7])[0])
+    assert caught.value.status == 429 and caught.value.headers["Retry-After"]
+    engine.stop()
+    assert all(outcome(events)[0] == "cancelled" for _, events in waiting)
+    with pytest.raises(APIError) as caught:
+        engine.submit(job([5])[0])
+    assert caught.value.status == 503
+
+
+def test_a_failing_request_leaves_the_others_alone(llm):
+    """A request whose generation fails (a token id outside the vocabulary, past the HTTP checks) gets its error;
+    the requests beside it get their own answers, as alone."""
+    engine = Engine(llm, max_concurrent=4, queue_size=4)
+    engine.start()
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    good = [job(p, strategy) for p, strategy in zip(prompts, ["autoregressive", "lookahead", "auto"])]
+    bad, bad_events = job([5, llm.model.config.vocab_size + 3])
+    for j, _ in good[:2] + [(bad, bad_events)] + good[2:]:
+        engine.submit(j)
+    kind, error = outcome(bad_events)
+    assert kind == "error" and isinstance(error, ValueError)
+    for prompt, (_, events) in zip(prompts, good):
+        kind, generation = outcome(events)
+        assert kind == "done"
+        assert generation.token_ids == llm.generate(prompt, max_new_tokens=24, strategy="autoregressive").token_ids
+    engine.stop()
+
+
+def test_cancel_stops_a_running_generation(llm):
+    engine = Engine(llm, max_concurrent=2, queue_size=2)
+    engine.start()
+    j, events = job([5, 6, 7], max_new_tokens=CONTEXT - 8)
+    engine.submit(j)
+    assert events.get(timeout=60)[0] == "piece"
+    engine.cancel(j)
+    kind, _ = outcome(events)
+    assert kind in ("cancelled", "done")  # done only if it ended before the cancel was seen
+    engine.stop()
+
+
+def test_sigterm_lets_the_running_answer_finish_and_exits_0(tiny_ckpt):
+    server = start_server(tiny_ckpt, "--shutdown-timeout", "20")
+    body = {"prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0, "stream": True, "strategy": "autoregressive"}
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("POST", f"{server.url}/v1/completions", content=json.dumps(body), timeout=60) as response:
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert started.wait(60)
+    assert server.stop(timeout=60) == 0, server.output()
+    reader.join(60)
+    assert lines[-1] == "data: [DONE]", lines[-3:]  # finished within --shutdown-timeout, not cut
