@@ -69,7 +69,7 @@ def loader(args: argparse.Namespace):
     def load() -> Served:
         tables = kept_tables_dir()
         llm = LLM.load(args.ckpt, dtype=args.dtype, device=args.device, quantize=args.quantize,
-                       group_size=args.group_size, check_file=tables / "invariance.json", progress=False)
+                       group_size=args.group_size, progress=False)
         costs = step_costs_for(llm.model, COST_SIZES, tables / "step_costs.json")
         return Served(llm, model_id(args), args.strategy, costs)
     return load

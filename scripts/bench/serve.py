@@ -1,0 +1,245 @@
+"""The server under concurrent load: aggregate tokens/s and latencies at 1, 2, 4, 8 clients, side by side.
+
+For each mode a `python -m minilade.serve` process is started on a free loopback port and loaded once:
+- one-at-a-time: --max-concurrent 1 (each request runs alone, as the library runs it; the others queue);
+- batched-plain: every request's generation shares each forward pass, plain decoding (strategy autoregressive);
+- batched-auto: the same with auto, each request's steps shaped by its own drafts and the measured step costs.
+Each client streams its prompts one after another (chat prompts from MT-Bench or GSM8K, code from HumanEval,
+greedy, --max-tokens new tokens); every level of concurrency takes the next prompts of the set. Reported per mode
+and concurrency: aggregate completion tokens/s (all clients' tokens over the level's wall time), time to first
+token and inter-chunk latency (p50/p99; a chunk carries one token or, after an accepted draft, several), rows per
+forward pass and requests per pass (from /metrics), the step kinds the requests took, and the server's peak
+resident memory. Every answer is compared with one-at-a-time's answer to the same prompt (identical counts).
+
+    python -m scripts.bench.serve --data ../shared/data --set mt_bench --clients 1 2 4 8 --max-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+from .common import DEFAULT_DATA_DIR, DEFAULT_OUT_DIR, command_line, environment, run_job, write_json, write_png
+from .plots import import_figure
+
+SETS = {"mt_bench": ("mt_bench.jsonl", lambda r: r["turns"][0], True),
+        "gsm8k": ("gsm8k_test.jsonl", lambda r: r["question"], True),
+        "humaneval": ("humaneval.jsonl", lambda r: r["prompt"], False)}
+MODES = {"one-at-a-time": ("auto", 1), "batched-plain": ("autoregressive", None), "batched-auto": ("auto", None)}
+START_S = 600
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m scripts.bench.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA_DIR, help="folder of the prompt sets (shared/data)")
+    p.add_argument("--set", choices=list(SETS), default="mt_bench")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--prompts-per-client", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--ckpt", default=None, help="checkpoint (default: the demo model)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    return p.parse_args(argv)
+
+
+def load_prompts(args: argparse.Namespace) -> tuple[list[str], bool]:
+    file, text, chat = SETS[args.set]
+    path = args.data / file
+    if not path.is_file():
+        raise SystemExit(f"error: {path} not found (give --data, the folder holding {file})")
+    needed = sum(args.clients) * args.prompts_per_client
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if len(records) < needed:
+        raise SystemExit(f"error: {path} has {len(records)} prompts; the run needs {needed}")
+    return [text(r) for r in records[:needed]], chat
+
+
+class Server:
+    """A server process on a free loopback port, ready once /health says 200."""
+
+    def __init__(self, args: argparse.Namespace, strategy: str, max_concurrent: int) -> None:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        command = [sys.executable, "-m", "minilade.serve", "--port", str(self.port), "--strategy", strategy,
+                   "--max-concurrent", str(max_concurrent), "--queue", "64", "--dtype", args.dtype]
+        self.process = subprocess.Popen(command + (["--ckpt", args.ckpt] if args.ckpt else []))
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise SystemExit("error: the server did not start")
+
+    def metrics(self) -> dict[str, float]:
+        values: Counter = Counter()
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                values[line.split("{")[0].split()[0]] += float(line.split()[-1])
+        return dict(values)
+
+    def peak_memory_mib(self) -> float | None:
+        try:
+            status = Path(f"/proc/{self.process.pid}/status").read_text()
+        except OSError:
+            return None
+        kib = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), None)
+        return kib / 1024 if kib else None
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def one_request(url: str, prompt: str, chat: bool, max_tokens: int) -> dict:
+    """Stream one greedy request; its text, tokens, time to first token and gaps between chunks (seconds)."""
+    body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    start, arrivals, text, tokens, kinds = time.perf_counter(), [], [], 0, {}
+    with httpx.stream("POST", url + path, json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            for choice in event.get("choices", []):
+                piece = choice["delta"].get("content") if chat else choice.get("text")
+                if piece:
+                    arrivals.append(time.perf_counter())
+                    text.append(piece)
+            kinds = event.get("minilade", {}).get("step_kinds", kinds)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return {"text": "".join(text), "tokens": tokens, "ttft": arrivals[0] - start if arrivals else None,
+            "gaps": gaps, "step_kinds": kinds}
+
+
+def run_level(server: Server, prompts: list[str], chat: bool, clients: int, max_tokens: int) -> tuple[list, float]:
+    """`clients` threads, each streaming its share of prompts in turn; the answers in prompt order, wall seconds."""
+    answers: list[dict | None] = [None] * len(prompts)
+
+    def client(i: int) -> None:
+        for k in range(i, len(prompts), clients):
+            answers[k] = one_request(server.url, prompts[k], chat, max_tokens)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return answers, time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarise(answers: list[dict], seconds: float, before: dict, after: dict) -> dict:
+    passes = after.get("minilade_forward_passes_total", 0) - before.get("minilade_forward_passes_total", 0)
+    rows = after.get("minilade_rows_fed_total", 0) - before.get("minilade_rows_fed_total", 0)
+    served = after.get("minilade_pass_requests_total", 0) - before.get("minilade_pass_requests_total", 0)
+    gaps = [g for a in answers for g in a["gaps"]]
+    kinds = Counter()
+    for a in answers:
+        kinds.update(a["step_kinds"])
+    return {"tokens": sum(a["tokens"] for a in answers), "seconds": seconds,
+            "tokens_per_s": sum(a["tokens"] for a in answers) / seconds,
+            "ttft_p50": percentile([a["ttft"] for a in answers if a["ttft"] is not None], 0.5),
+            "ttft_p99": percentile([a["ttft"] for a in answers if a["ttft"] is not None], 0.99),
+            "itl_p50": percentile(gaps, 0.5), "itl_p99": percentile(gaps, 0.99),
+            "rows_per_pass": rows / passes if passes else None,
+            "requests_per_pass": served / passes if passes else None, "step_kinds": dict(kinds.most_common(6))}
+
+
+def main_job(argv: list[str]) -> int:
+    args = parse_args(argv)
+    prompts, chat = load_prompts(args)
+    env = environment()
+    print(f"command: {command_line('scripts.bench.serve', argv)}")
+    print(f"cpu: {env['cpu']}; flags: {' '.join(env['cpu_flags'])}; torch threads {env['threads']}")
+    results: dict[str, dict] = {}
+    reference: dict[int, str] = {}  # prompt index -> one-at-a-time's answer
+    for mode in args.modes:
+        strategy, limit = MODES[mode]
+        server = Server(args, strategy, limit or max(args.clients))
+        try:
+            results[mode] = {}
+            offset = 0
+            for clients in args.clients:
+                share = prompts[offset:offset + clients * args.prompts_per_client]
+                before = server.metrics()
+                answers, seconds = run_level(server, share, chat, clients, args.max_tokens)
+                row = summarise(answers, seconds, before, server.metrics())
+                texts = {offset + k: a["text"] for k, a in enumerate(answers)}
+                if mode == args.modes[0]:
+                    reference.update(texts)
+                row["identical"] = sum(reference.get(k) == t for k, t in texts.items())
+                row["answers"] = len(texts)
+                results[mode][clients] = row
+                offset += len(share)
+                print(line_of(mode, clients, row), flush=True)
+            results[mode]["peak_memory_mib"] = server.peak_memory_mib()
+        finally:
+            server.stop()
+    document = {"command": command_line("scripts.bench.serve", argv), "environment": env, "results": results}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(args.out_dir / "serve.json", document, indent=1)
+    write_png(args.out_dir / "serve.png", plot(results, args.clients))
+    print(f"wrote {args.out_dir / 'serve.json'} and serve.png")
+    return 0
+
+
+def line_of(mode: str, clients: int, r: dict) -> str:
+    def ms(v):
+        return "-" if v is None else f"{1e3 * v:.0f}"
+    return (f"{mode:14s} clients {clients:2d}: {r['tokens_per_s']:7.1f} tok/s, TTFT p50/p99 {ms(r['ttft_p50'])}/"
+            f"{ms(r['ttft_p99'])} ms, ITL p50/p99 {ms(r['itl_p50'])}/{ms(r['itl_p99'])} ms, rows/pass "
+            f"{r['rows_per_pass'] or 0:.1f}, requests/pass {r['requests_per_pass'] or 0:.2f}, identical "
+            f"{r['identical']}/{r['answers']}")
+
+
+def plot(results: dict, clients: list[int]):
+    figure = import_figure()(figsize=(9, 3.6))
+    throughput, latency = figure.subplots(1, 2)
+    for mode, rows in results.items():
+        levels = [c for c in clients if c in rows]
+        throughput.plot(levels, [rows[c]["tokens_per_s"] for c in levels], marker="o", label=mode)
+        latency.plot(levels, [1e3 * (rows[c]["itl_p99"] or 0) for c in levels], marker="o", label=mode)
+    throughput.set(xlabel="concurrent clients", ylabel="aggregate tokens/s", xscale="log", xticks=clients)
+    latency.set(xlabel="concurrent clients", ylabel="p99 inter-chunk latency (ms)", xscale="log", xticks=clients)
+    for ax in (throughput, latency):
+        ax.set_xticklabels([str(c) for c in clients])
+        ax.grid(alpha=0.3)
+    throughput.legend()
+    return figure
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_job(main_job, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
