@@ -15,7 +15,7 @@ from typing import Sequence
 
 from .checkpoints import DEFAULT_CHECKPOINT
 from .checkpoints.generation_config import check_sampling, merge_sampling
-from .checkpoints.resolve import kept_tables_dir
+from .checkpoints.resolve import COST_TABLE, kept_tables_dir
 from .checkpoints.support import describe_support
 from .decoding import STRATEGIES, GenerationSettings, make_strategy
 from .errors import CheckpointError, TokenizerError, UnsupportedModelError
@@ -111,7 +111,7 @@ def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
         raise ValueError(f"--compile runs plain decoding only (--strategy autoregressive): {args.strategy}'s steps "
                          f"must give plain decoding's exact output, which a compiled step does not promise")
     strategy = make_strategy(args.strategy, compiled=args.compile,
-                             cost_file=str(kept_tables_dir() / "step_costs.json"), **given)
+                             cost_file=str(kept_tables_dir() / COST_TABLE), **given)
     check_sampling(sampling_options(args))
     return GenerationSettings(strategy, SamplingParams(), args.max_new_tokens, tuple(args.stop))
 
@@ -152,7 +152,13 @@ def run_once(llm: LLM, args: argparse.Namespace, settings: GenerationSettings) -
         return
     result = stream_to_stdout(stream)
     print(flush=True)
-    print(result.stats.summary() + f", finish: {result.finish_reason}", file=sys.stderr)
+    print(summary_line(result) + f", finish: {result.finish_reason}", file=sys.stderr)
+
+
+def summary_line(result: Generation) -> str:
+    """The statistics line: the generation's summary and the process's peak memory so far."""
+    memory = "" if result.peak_memory is None else f", peak memory {result.peak_memory / 2**20:.0f} MiB"
+    return result.stats.summary() + memory
 
 
 def run_interactive(llm: LLM, args: argparse.Namespace, settings: GenerationSettings) -> None:
@@ -173,7 +179,7 @@ def run_interactive(llm: LLM, args: argparse.Namespace, settings: GenerationSett
             messages.pop()
             continue
         print(flush=True)
-        print(result.stats.summary(), file=sys.stderr)
+        print(summary_line(result), file=sys.stderr)
         messages.append({"role": "assistant", "content": result.text})
 
 
@@ -200,8 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.quantize is not None:
             check_options(args.quantize, args.group_size)
         llm = LLM.load(args.ckpt, dtype=args.dtype, device=args.device, quantize=args.quantize,
-                       group_size=args.group_size, check_file=kept_tables_dir() / "invariance.json",
-                       tensor_parallel=launched_with_ranks(os.environ))
+                       group_size=args.group_size, tensor_parallel=launched_with_ranks(os.environ))
         settings = with_checkpoint_defaults(llm, args, settings)
         with quiet_unless_leader(llm.model):  # under torchrun, only rank 0 writes
             if args.interactive:

@@ -246,7 +246,26 @@ def choose_dtype(model: Transformer, check_file: str | Path | None = None,
                  candidates=(torch.bfloat16, torch.float32)) -> Transformer:
     """The fastest dtype in which the model is exact on this CPU, measured: a copy of the (float32) model in each
     candidate dtype is made exact and checked, then timed on a one-row and a 32-row step; the winner is
-    returned (the float32 model itself when it wins). Kept in check_file with the invariance verdicts."""
+    returned (the float32 model itself when it wins). Kept in check_file with the invariance verdicts, the choice
+    too ("<key>|dtype"), so that a later load converts to and prepares the winner alone."""
+    chosen_key = cost_key(model) + "|dtype"
+    chosen = (read_table(check_file) or {}).get(chosen_key) if check_file is not None else None
+    kept = [dtype for dtype in candidates if str(dtype) == chosen]
+    if kept:
+        candidate = model if kept[0] == model.dtype else _converted(model, kept[0])
+        if make_exact(candidate, check_file, warn=False).exact:
+            return candidate
+    best = _fastest_exact(model, check_file, candidates)
+    if best is None:
+        make_exact(model, check_file)  # says once that it is not exact
+        return model
+    if check_file is not None:
+        write_entry(check_file, chosen_key, str(best.dtype))
+    return best
+
+
+def _fastest_exact(model: Transformer, check_file: str | Path | None, candidates) -> Transformer | None:
+    """The model in the fastest candidate dtype that passes the check (made exact), or None if none does."""
     best, best_cost = None, float("inf")
     for dtype in candidates:
         candidate = model if dtype == model.dtype else _converted(model, dtype)
@@ -255,9 +274,6 @@ def choose_dtype(model: Transformer, check_file: str | Path | None = None,
         cost = _step_seconds(candidate, check_file)
         if cost < best_cost:
             best, best_cost = candidate, cost
-    if best is None:
-        make_exact(model, check_file)  # says once that it is not exact
-        return model
     return best
 
 

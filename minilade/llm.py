@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +28,8 @@ from .checkpoints import DEFAULT_CHECKPOINT, Checkpoint, build_model, open_check
 from .checkpoints.generation_config import defaults_from_hf, merge_sampling, read_generation_defaults
 from .checkpoints.gguf_quant import gguf_embedding, gguf_int4_weights
 from .checkpoints.hf import config_from_hf
-from .decoding import GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens, make_strategy
+from .checkpoints.resolve import CHECK_TABLE, COST_TABLE, kept_tables_dir
+from .decoding import Auto, GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens, make_strategy
 from .decoding.loop import cache_for
 from .device import choose_dtype, default_device, make_exact, resolve_dtype
 from .kv_cache import KVCache
@@ -46,27 +49,36 @@ class Generation:
     prompt_ids: list[int]
     finish_reason: str    # "eos", "stop", "length" or "context"
     stats: GenerationStats = field(default_factory=GenerationStats)
+    peak_memory: int | None = None  # bytes: the process's peak resident memory up to the end (peak_memory())
 
     def as_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": len(self.prompt_ids),
-                "finish_reason": self.finish_reason, "stats": self.stats.as_dict()}
+                "finish_reason": self.finish_reason, "stats": self.stats.as_dict(),
+                "peak_memory_mib": None if self.peak_memory is None else round(self.peak_memory / 2**20, 1)}
 
 
 class LLM:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, name: str = "",
-                 generation_defaults: dict[str, Any] | None = None) -> None:
+                 generation_defaults: dict[str, Any] | None = None, *, tables: Path | None = None) -> None:
         """generation_defaults: the checkpoint's own sampling settings (checkpoints/generation_config.py),
-        used for every option a generation does not set."""
+        used for every option a generation does not set.
+        tables: the folder where what is measured on this machine is kept (see load); None: nowhere."""
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.generation_defaults = dict(generation_defaults or {})
+        self.tables = tables
         self._spare_cache: KVCache | None = None  # reused by the next generation; None while one holds it
+
+    @property
+    def cost_file(self) -> str | None:
+        """Where auto keeps the step costs it measures (None: measured once per process)."""
+        return str(self.tables / COST_TABLE) if self.tables is not None else None
 
     @classmethod
     def load(cls, ckpt: str | Path | None = None, *, dtype: str | torch.dtype | None = None,
              device: str | torch.device | None = None, progress: bool = True, exact: bool = True,
-             check_file: str | Path | None = None, quantize: str | None = None, group_size: int = 32,
+             tables: str | Path | bool = True, quantize: str | None = None, group_size: int = 32,
              tensor_parallel: bool = False) -> LLM:
         """ckpt: a .gguf file, a folder with config.json and safetensors, a Hugging Face repo id
         (owner/name[@revision]), or None for the demo model (downloaded on first use).
@@ -75,7 +87,11 @@ class LLM:
         the invariant attention kernel, weight matmuls in measured row tilings, checked at load); on the CPU, dtype
         None/"auto" then picks the fastest dtype that passes the check, measured. False keeps the stock kernels (for
         kernel benchmarks).
-        check_file: a JSON file where what the check found is kept per machine (None: checked at every load).
+        tables: the folder where what is measured on this machine is kept between runs: the check's verdicts and
+        the dtype chosen (invariance.json), auto's step costs (step_costs.json). True (the default): where the
+        command line keeps them (checkpoints.resolve.kept_tables_dir: $MINILADE_TABLES, else beside the demo
+        weights), so a load after the first takes about a second, not half a minute. False: kept nowhere (the
+        check at every load, step costs measured once per process). Or a folder of the caller's.
         quantize: "int8" (per output channel) or "int4" (groups of group_size inputs) keeps the linear layers
         quantized (CPU only, bfloat16 inside the layer, see quant.py), and the token embedding as int8 in groups
         of 32; int4 in groups of 32 takes a GGUF file's Q4_0/Q4_1 codes as they are, and the embedding its Q8_0
@@ -86,12 +102,15 @@ class LLM:
             check_options(quantize, group_size)
         measure_dtype = dtype in (None, "auto")
         device, dtype = device_and_dtype(device, dtype)
+        tables = tables_dir(tables)
         if tensor_parallel:
             if quantize is not None:
                 raise ValueError("quantize does not combine with tensor parallelism (yet): leave it out")
             model, tokenizer, name = load_shard(ckpt if ckpt is not None else DEFAULT_CHECKPOINT, dtype=dtype,
                                                 device=device, progress=progress)
-            return cls.prepared(model, tokenizer, name, exact=exact)
+            llm = cls.prepared(model, tokenizer, name, exact=exact)  # a shard is checked at every load
+            llm.tables = tables
+            return llm
         checkpoint = open_checkpoint(ckpt if ckpt is not None else DEFAULT_CHECKPOINT, progress=progress)
         metadata = checkpoint.source.metadata if checkpoint.format == "gguf" else None
         tokenizer = Tokenizer.from_checkpoint(checkpoint.path, gguf_metadata=metadata)
@@ -99,20 +118,21 @@ class LLM:
         model = checkpoint.load_model(dtype=dtype, device=device)
         blocks = gguf_codes(checkpoint, model, tokenizer.vocab_size, quantize, group_size) if quantize else {}
         llm = cls.prepared(model, tokenizer, str(checkpoint.path), exact=exact, measure_dtype=measure_dtype,
-                           check_file=check_file, quantize=quantize, group_size=group_size, blocks=blocks)
+                           tables=tables, quantize=quantize, group_size=group_size, blocks=blocks)
         llm.generation_defaults = defaults
         return llm
 
     @classmethod
     def from_transformers(cls, model: Any, tokenizer: Any, *, dtype: str | torch.dtype | None = None,
-                          device: str | torch.device | None = None, exact: bool = True) -> LLM:
+                          device: str | torch.device | None = None, exact: bool = True,
+                          tables: str | Path | bool = True) -> LLM:
         """An LLM over a loaded transformers LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM and its tokenizer.
 
         Weights are taken, not re-read from disk: where dtype and device stay those of the transformers model
         (the default), the embedding, norms and output projections are the very same tensors, and only q/k/v and
         gate/up are copied once into their fused matrices. The tokenizer's files, chat template and special
         tokens go through the same reader as a checkpoint folder's; the model's generation_config supplies the
-        sampling defaults as a checkpoint's generation_config.json does."""
+        sampling defaults as a checkpoint's generation_config.json does. tables: as for load."""
         first = next(model.parameters())
         device, dtype = device_and_dtype(device if device is not None else first.device,
                                          dtype if dtype is not None else first.dtype)
@@ -124,28 +144,29 @@ class LLM:
         generation = getattr(model, "generation_config", None)  # its sampling defaults, as generation_config.json's
         defaults = defaults_from_hf(generation.to_dict()) if generation is not None else {}
         ours = build_model(config, model.state_dict().items(), dtype=dtype, device=device)
-        llm = cls.prepared(ours, ours_tokenizer, type(model).__name__, exact=exact)
+        llm = cls.prepared(ours, ours_tokenizer, type(model).__name__, exact=exact, tables=tables_dir(tables))
         llm.generation_defaults = defaults
         return llm
 
     @classmethod
     def prepared(cls, model: Transformer, tokenizer: Tokenizer, name: str, *, exact: bool = True,
-                 measure_dtype: bool = False, check_file: str | Path | None = None, quantize: str | None = None,
+                 measure_dtype: bool = False, tables: Path | None = None, quantize: str | None = None,
                  group_size: int = 32, blocks: dict | None = None) -> LLM:
         """The last steps of loading: the output head cut to the tokenizer's vocabulary; linear layers and the
         embedding quantized when asked (taking `blocks`, a file's own codes by module name, as they are); the
         model made exact when `exact` (in the fastest exact dtype when measure_dtype and nothing is quantized, see
-        device.choose_dtype), else left with the stock kernels."""
+        device.choose_dtype), else left with the stock kernels; what that measures is kept in `tables`."""
         drop_padded_logits(model, tokenizer.vocab_size)
         if quantize is not None:
             blocks = dict(blocks or {})
             quantize_linears(model, quantize, group_size, weights=blocks)
             quantize_embedding(model, blocks.pop("tok_embeddings", None))
+        check_file = tables / CHECK_TABLE if tables is not None else None
         if exact and measure_dtype and quantize is None and model.device.type == "cpu":
             model = choose_dtype(model, check_file)
         elif exact:
             make_exact(model, check_file)
-        return cls(model, tokenizer, name)
+        return cls(model, tokenizer, name, tables=tables)
 
     def _take_cache(self) -> KVCache | None:
         cache, self._spare_cache = self._spare_cache, None
@@ -186,11 +207,16 @@ class LLM:
         Sampling options left None take the checkpoint's generation defaults (self.generation_defaults), else
         greedy decoding without penalties (sampling.SamplingParams says what each means). The default strategy,
         auto, is lookahead shaped from measured step costs (plain decoding's output, or its distribution when
-        sampling); "autoregressive" is plain decoding. Settings and prompt are checked here, before anything runs."""
+        sampling), with its step costs kept in self.tables (also for an Auto given without a cost_file);
+        "autoregressive" is plain decoding. Settings and prompt are checked here, before anything runs."""
         given = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
+        if isinstance(strategy, str):
+            strategy = make_strategy(strategy, cost_file=self.cost_file)
+        elif isinstance(strategy, Auto) and strategy.cost_file is None and self.cost_file is not None:
+            strategy = dataclasses.replace(strategy, cost_file=self.cost_file)
         settings = GenerationSettings(
-            strategy=make_strategy(strategy) if isinstance(strategy, str) else strategy,
+            strategy=strategy,
             sampling=merge_sampling(self.generation_defaults, given), max_new_tokens=max_new_tokens, stop=stop)
         return TextStream(self, self.encode(prompt, chat=chat, system=system), settings)
 
@@ -242,7 +268,8 @@ class TextStream:
             text += detok.finish()
         if len(text) > shown:
             yield text[shown:]
-        self.result = Generation(text, ids, self.prompt_ids, self._run.finish_reason, self._run.stats)
+        self.result = Generation(text, ids, self.prompt_ids, self._run.finish_reason, self._run.stats,
+                                 peak_memory())
 
 
 def gguf_codes(checkpoint: Checkpoint, model: Transformer, n_tokens: int, quantize: str, group_size: int) -> dict:
@@ -261,6 +288,24 @@ def gguf_codes(checkpoint: Checkpoint, model: Transformer, n_tokens: int, quanti
     if embedding is not None:
         blocks["tok_embeddings"] = embedding
     return blocks
+
+
+def peak_memory() -> int | None:
+    """The most memory this process has held resident so far, in bytes (the kernel's ru_maxrss: loading, the
+    caches and every generation included); None where the platform does not say (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux KiB
+
+
+def tables_dir(tables: str | Path | bool | None) -> Path | None:
+    """The folder `tables` names: True, the command line's (kept_tables_dir); False or None, none."""
+    if tables is True:
+        return kept_tables_dir()
+    return None if tables is False or tables is None else Path(tables).expanduser()
 
 
 def device_and_dtype(device: str | torch.device | None, dtype: str | torch.dtype | None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,7 @@ def test_prompt_from_stdin_and_stats_on_stderr(tiny_checkpoint: Path) -> None:
     assert result.returncode == 0, result.stderr
     n = len(tokenizer(tiny_checkpoint).encode("a b c"))
     assert "tok/s" in result.stderr and f"[auto] prompt {n} tok" in result.stderr
+    assert re.search(r", peak memory [1-9][0-9]* MiB, finish: length", result.stderr), result.stderr
 
 
 @pytest.mark.parametrize("args,fact", [

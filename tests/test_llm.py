@@ -143,3 +143,62 @@ def test_the_default_strategy_is_auto_with_plain_decodings_output(llm: LLM) -> N
     assert default.token_ids == plain.token_ids
     assert any(not kind.plain for kind in default.stats.step_kinds), default.stats.step_kinds
     assert default.stats.forward_passes < default.stats.new_tokens == plain.stats.forward_passes
+
+
+def test_load_keeps_what_it_measured_where_the_cli_does(tmp_path: Path, monkeypatch) -> None:
+    """LLM.load keeps the check's verdicts, the chosen dtype and auto's step costs in the CLI's folder; a second
+    load reads them instead of checking and timing again; tables=False keeps nothing."""
+    import json
+
+    from minilade import device
+    from minilade.decoding import step_costs
+
+    (tmp_path / "tiny").mkdir()
+    folder = write_tiny_checkpoint(tmp_path / "tiny", WORDS, max_positions=128)
+    monkeypatch.setenv("MINILADE_TABLES", str(tmp_path / "tables"))
+    (tmp_path / "tables").mkdir()
+    first = LLM.load(folder, progress=False)  # dtype auto: every candidate checked and timed, the winner kept
+    want = first.generate("the cat sat", max_new_tokens=8)
+    checks = json.loads((tmp_path / "tables" / "invariance.json").read_text())
+    assert any(key.endswith("|dtype") for key in checks) and (tmp_path / "tables" / "step_costs.json").is_file()
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(device, "check_invariance", measured)
+    monkeypatch.setattr(device, "measure_step_costs", measured)
+    monkeypatch.setattr(step_costs, "measure_step_costs", measured)
+    again = LLM.load(folder, progress=False)
+    assert again.model.dtype == first.model.dtype and again.tables == tmp_path / "tables"
+    assert again.generate("the cat sat", max_new_tokens=8).token_ids == want.token_ids
+
+    monkeypatch.undo()  # measuring allowed again
+    monkeypatch.setenv("MINILADE_TABLES", str(tmp_path / "elsewhere"))
+    (tmp_path / "elsewhere").mkdir()
+    unkept = LLM.load(folder, progress=False, tables=False)
+    unkept.generate("the cat sat", max_new_tokens=4)
+    assert unkept.tables is None and unkept.cost_file is None and not any((tmp_path / "elsewhere").iterdir())
+
+
+def test_an_auto_without_a_cost_file_gets_the_llms(llm: LLM, monkeypatch) -> None:
+    """Step costs are kept where the LLM keeps its tables, for auto by name and for an Auto given without a
+    cost_file; an Auto's own cost_file stays."""
+    import minilade.llm as module
+    from minilade import Auto
+
+    given, decode = [], module.decode_tokens
+    monkeypatch.setattr(module, "decode_tokens", lambda model, ids, run, settings, **kw: (
+        given.append(settings.strategy), decode(model, ids, run, settings, **kw))[1])
+    llm.generate("the cat", max_new_tokens=2)
+    llm.generate("the cat", max_new_tokens=2, strategy=Auto(window=2, ngram=3, guesses=2))
+    llm.generate("the cat", max_new_tokens=2, strategy=Auto(window=2, ngram=3, guesses=2, cost_file="mine.json"))
+    assert llm.cost_file is not None and llm.cost_file.endswith("step_costs.json")
+    assert [s.cost_file for s in given] == [llm.cost_file, llm.cost_file, "mine.json"]
+
+
+def test_a_generation_reports_the_peak_memory(llm: LLM) -> None:
+    import resource
+
+    out = llm.generate("the cat", max_new_tokens=2)
+    assert out.peak_memory >= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 * 0.99 > 0
+    assert out.as_dict()["peak_memory_mib"] == round(out.peak_memory / 2**20, 1)

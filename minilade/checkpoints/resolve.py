@@ -5,7 +5,8 @@ Order of resolution:
 2. an existing local file (must be .gguf) or folder (config.json + safetensors, or exactly one .gguf);
 3. a path-like string that does not exist: "checkpoint not found";
 4. a Hugging Face repo id, owner/name[@revision]: config, tokenizer and safetensors files from the hub.
-The demo weights' folder is also where the CLI keeps what it measures per machine (kept_tables_dir).
+The demo weights' folder is also where the CLI and the library keep what they measure per machine
+(kept_tables_dir).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .download import SMOLLM2_135M_INSTRUCT_Q4_1, download_hf_repo, fetch_packag
 from .hf import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, has_safetensors
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"
+CHECK_TABLE, COST_TABLE = "invariance.json", "step_costs.json"  # the tables kept_tables_dir holds
 _DEFAULT_ALIASES = (DEFAULT_CHECKPOINT, "default")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
 _PATH_PREFIXES = ("/", ".", "~")
@@ -38,8 +40,8 @@ def default_weights_dir() -> Path:
 
 
 def kept_tables_dir() -> Path:
-    """Where the CLI keeps its tables (invariance.json, step_costs.json; minilade/memo.py reads and writes them):
-    $MINILADE_TABLES if set (a writable place when the weights' folder is read-only, or a test session's own
+    """Where the CLI and LLM.load keep their tables (CHECK_TABLE, COST_TABLE; minilade/memo.py reads and writes
+    them): $MINILADE_TABLES if set (a writable place when the weights' folder is read-only, or a test session's own
     folder), else beside the demo weights (default_weights_dir)."""
     if os.environ.get("MINILADE_TABLES"):
         return Path(os.environ["MINILADE_TABLES"]).expanduser()
