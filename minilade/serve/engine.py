@@ -115,8 +115,8 @@ class Engine:
         with self._cond:
             if self._stopping:
                 raise unavailable("the server is shutting down")
-            if len(self._waiting) >= self.queue_size:
-                raise busy(f"{len(self._waiting)} requests already wait for one of the {self.max_concurrent} places; "
+            if len(self._running) + len(self._waiting) >= self.max_concurrent + self.queue_size:
+                raise busy(f"all {self.max_concurrent} places are taken and {self.queue_size} requests wait; "
                            f"retry later")
             self._waiting.append(job)
             self._cond.notify_all()

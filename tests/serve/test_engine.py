@@ -39,7 +39,7 @@ def outcome(events: queue.Queue) -> tuple[str, object]:
 
 def test_queue_full_is_429_with_retry_after(llm):
     engine = Engine(llm, max_concurrent=1, queue_size=2)  # not started: every job stays queued
-    waiting = [job([5, 6, 7]) for _ in range(2)]
+    waiting = [job([5, 6, 7]) for _ in range(3)]  # a place and the queue's two
     for j, _ in waiting:
         engine.submit(j)
     with pytest.raises(APIError) as caught:
