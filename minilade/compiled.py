@@ -1,119 +1,168 @@
-"""Plain decoding's one-token step as one compiled graph: speed where bitwise agreement with lookahead is not asked.
+"""Decoding steps of any shape as compiled graphs: the same exact step, with its small operations fused.
 
-A decoding step of `Transformer.forward` is written for any shape: the cache is sliced to the rows written so
-far, attention may be batch-invariant (invariance.py, so that a token's logits are the same in a one-row step and
-in a wide lookahead step), and the step's mask is built on the host. On a CPU that costs some 2,000 small eager
-operations per token, which take longer than the weight matmuls of a quantized model (docs/benchmarks.md).
+An eager decoding step of `Transformer.forward` dispatches some 2,000 small operations (norms, rotary, the
+batch-invariant attention's pieces, casts around quantized matmuls), which on a CPU take longer than the weight
+matmuls of a quantized model (docs/benchmarks.md). `compile_steps(model)` installs `CompiledSteps` as the model's
+`step_runner`: every step after the prefill, of any strategy and any row count, then runs each layer as one graph
+compiled by torch.compile (inductor), one graph for all layers (the layer's weights and cache are its inputs) and
+every row count (dynamic shapes; a one-row step gets a graph of its own, as inductor specialises sizes of 1).
 
-`one_token_logits` is the same layer stack for the one case of plain decoding, written with static shapes:
-attention reads every slot of the cache, the slots after the token's own hidden by a mask computed inside the
-graph, and the token's keys and values are written with `index_copy_`. torch.compile (inductor) then fuses the
-small operations of the whole stack around the weight matmuls. Its logits are those of the stock kernels up to
-rounding, not bitwise those of a lookahead step, so only plain decoding uses it (`CompiledAutoregressive`,
-`make_strategy("autoregressive", compiled=True)`, CLI `--compile`), and lookahead and `auto` keep their promise of
-plain decoding's exact output by running the eager, batch-invariant steps.
+Exactness is kept by construction, as in the eager step: each layer computes the batch-invariant attention of
+invariance.py (the same KeyLayout, built once per step on the host), written with shapes that do not change the
+order of any row's sums (`chunked_attention`); weight matmuls are inductor's external calls, one call per weight
+over all rows, whose rows the load-time check (device.check_invariance, run through this runner) finds the same at
+every row count. A compiled step does not round as the eager step does (inductor fuses and vectorises its own
+element-wise code), so a model runs all its steps compiled or none: greedy lookahead and auto then give plain
+decoding's output through compiled steps, as they do eagerly.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .decoding.base import DecodeContext, Decoder, Step, StepKind, Strategy
+from .invariance import KEY_CHUNK, LOG2_E, KeyLayout, PaddedKVCache, RowTiledLinear, apply_exact_attention, \
+    find_tiling, key_layout, round_up, work_dtype
 from .kv_cache import KVCache
-from .model import Transformer
-
-StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+from .model import Block, Transformer
 
 
-def one_token_logits(model: Transformer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                     keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """One token through the model, its keys and values written into an unpadded cache.
+def chunked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_bias: torch.Tensor,
+                      shared: torch.Tensor, tail_keys: torch.Tensor, tail_select: torch.Tensor) -> torch.Tensor:
+    """invariance.invariant_attention with every size a tensor's, so that one graph serves every step.
 
-    x: (B, 1, dim) the token's embedding in the model's dtype; cos, sin: (1, 1, 1, D) its rotary rows
-    (`model.rotary`); pos: (1,) long, its position, which is also its cache slot; keys, values: (L, B, Hkv, S, D),
-    the buffers of a plain KVCache (slots [0, pos) hold the committed tokens). Writes slot pos
-    of every layer and attends to slots [0, pos] (and, with a sliding window, only the last `sliding_window` of
-    them). Returns logits (B, 1, V) in the model's dtype.
+    q: (B, H, T, D); keys: (B, Hkv, Sp, D), values: (B, Hkv, Sp, value_columns(D)), Sp a multiple of KEY_CHUNK;
+    the step's layout (graph_layout): key_bias (R, Sp), 0 where a row sees a key and -inf elsewhere; shared (Sp,),
+    1 on the shared chunks' slots [0, L0) and 0 after; tail_keys (Sp - L0,) long, the slots [L0, Sp); tail_select
+    (n_tail, R, Sp - L0), 1 where a row counts a tail key in its tail chunk j. Returns (B, H, T, D) in q's dtype.
+
+    The shared chunks are all Sp / KEY_CHUNK chunks of the slots, those past L0 weighing exactly 0, and the tail
+    chunks follow: the scan adds the same non-zero chunk sums in the same order as invariant_attention does, and
+    each chunk sum is one matmul over its keys in slot order, hidden keys weighing exactly 0.
     """
-    B = x.shape[0]
-    config = model.config
-    slots = torch.arange(keys.shape[3], device=x.device)
-    visible = slots <= pos
-    if config.sliding_window:
-        visible &= slots > pos - config.sliding_window
-    visible = visible.view(1, 1, 1, -1)
-    for i, layer in enumerate(model.layers):
-        attention = layer.attention
-        q, k, v = attention.project(layer.attention_norm(x), cos, sin)
-        keys[i].index_copy_(2, pos, k.to(keys.dtype))
-        values[i].index_copy_(2, pos, v.to(values.dtype))
-        y = F.scaled_dot_product_attention(q, keys[i].to(q.dtype), values[i].to(q.dtype), attn_mask=visible,
-                                           enable_gqa=attention.n_heads != attention.n_kv_heads)
-        x = x + attention.wo(y.transpose(1, 2).reshape(B, 1, -1))
-        x = x + layer.feed_forward(layer.ffn_norm(x))
-    return model.output(model.norm(x))
+    B, H, T, D = q.shape
+    Hkv = keys.shape[1]
+    G = H // Hkv
+    R, Sp = key_bias.shape
+    work = work_dtype(q.dtype)
+    qs = F.pad(q.reshape(B, Hkv, G * T, D).to(work) * (D ** -0.5 * LOG2_E), (0, 0, 0, R - G * T))
+    scores = qs @ keys.to(work).transpose(-1, -2) + key_bias  # (B, Hkv, R, Sp)
+    weights = (scores - scores.amax(-1, keepdim=True)).exp2()  # exactly 0 where hidden
+    v1 = values.to(work)
+    n = Sp // KEY_CHUNK
+    w = (weights * shared).unflatten(-1, (n, KEY_CHUNK)).transpose(2, 3)  # (B, Hkv, n, R, C)
+    chunk_sums = w @ v1.unflatten(2, (n, KEY_CHUNK))  # (B, Hkv, n, R, Dp)
+    w = weights.index_select(-1, tail_keys).unsqueeze(2) * tail_select  # (B, Hkv, n_tail, R, Sp - L0)
+    tail_sums = w @ v1.index_select(2, tail_keys).unsqueeze(2)  # (B, Hkv, n_tail, R, Dp)
+    total = torch.cat([chunk_sums, tail_sums], dim=2).cumsum(2)[:, :, -1, :G * T]
+    out = total[..., :D] / total[..., D:D + 1]
+    return out.reshape(B, H, T, D).to(q.dtype)
 
 
-def compiled_step(model: Transformer) -> StepFn:
-    """one_token_logits for this model under torch.compile. The first call for a model compiles (minutes on a
-    CPU; inductor keeps what it built on disk, so later processes take seconds); the cache's slot count is a
-    dynamic dimension, so caches of another capacity reuse the graph. The graph's host code is C++ (inductor's
-    cpp_wrapper), which measured faster than its Python wrapper (docs/benchmarks.md). CPU only: on CUDA it has
-    never run (no device was lent to measure and test it)."""
-    if model.device.type != "cpu":
-        raise ValueError(f"compiled steps are built and tested for the CPU only, not {model.device.type}; "
-                         f"decode without --compile there")
-    if dist.is_available() and dist.is_initialized():
-        raise ValueError("a compiled step runs a model on one process, not in a process group (a sharded model)")
-    return functools.partial(_compiled(), model)
+def layer_step(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+               keys: torch.Tensor, values: torch.Tensor, *step_layout: torch.Tensor) -> torch.Tensor:
+    """One layer of a decoding step: x (B, T, dim) -> (B, T, dim), its keys and values written into the cache.
+
+    cos, sin: (B|1, T, 1, D) the rows' rotary tables; slots: (T,) long, the cache slots the rows are written to
+    (cache.length + arange(T)); keys, values: this layer's buffers of a PaddedKVCache, (B, Hkv, S, D) and
+    (B, Hkv, S, value_columns(D)); step_layout: graph_layout's tensors, over Sp <= S slots.
+    """
+    attention = block.attention
+    B, T, _ = x.shape
+    q, k, v = attention.project(block.attention_norm(x), cos, sin)
+    D, Sp = k.shape[-1], step_layout[0].shape[-1]
+    keys.index_copy_(2, slots, k.to(keys.dtype))
+    ones = v.new_ones(*v.shape[:-1], 1)
+    values.index_copy_(2, slots, F.pad(torch.cat([v, ones], -1), (0, values.shape[-1] - D - 1)).to(values.dtype))
+    y = chunked_attention(q, keys[:, :, :Sp], values[:, :, :Sp], *step_layout)
+    x = x + attention.wo(y.transpose(1, 2).reshape(B, T, -1))
+    return x + block.feed_forward(block.ffn_norm(x))
 
 
 @functools.cache
-def _compiled() -> Callable[..., torch.Tensor]:
-    """One compiled function for every model. Dynamo guards on what the graph read of the model it is given (its
-    layers, config and the shapes of its weights, which enter as inputs) and reuses a graph or compiles another;
-    past torch._dynamo.config.recompile_limit graphs, a call runs one_token_logits eagerly."""
-    return torch.compile(one_token_logits, fullgraph=True, options={"cpp_wrapper": True})
+def compiled_layer_step() -> Callable[..., torch.Tensor]:
+    """layer_step under torch.compile, shared by every model and layer: dynamo lifts a layer's weights into graph
+    inputs and guards on their shapes and types, so the layers of a model share graphs. The graph's host code is
+    C++ (inductor's cpp_wrapper), measured faster than its Python wrapper (docs/benchmarks.md). Inductor keeps
+    what it built on disk: a later process compiles in seconds."""
+    return torch.compile(layer_step, dynamic=True, fullgraph=True, options={"cpp_wrapper": True})
 
 
-@dataclass(frozen=True)
-class CompiledAutoregressive(Strategy):
-    """Plain decoding whose one-token steps run as one compiled graph: faster, and its tokens are those of the
-    stock kernels, not bitwise those the batch-invariant steps of lookahead and auto give."""
+class CompiledSteps:
+    """A model's step_runner: Transformer.forward hands it every step with committed cache rows.
 
-    name = "autoregressive"
+    The step's layout is made once on the host (invariance.key_layout, as the eager exact kernel makes it), then
+    every layer runs compiled_layer_step; the embedding lookup, the final norm and the output head (one matmul
+    over the rows read) stay eager, and they are the same for every row count.
+    """
 
-    def cache_type(self, model: Transformer) -> type[KVCache]:
-        return KVCache  # one_token_logits writes and reads the plain layout
+    name = "compiled"  # in the keys under which step costs and verdicts are kept (step_costs.cost_key)
 
-    def make_decoder(self, ctx: DecodeContext) -> Decoder:
-        return CompiledDecoder(ctx)
+    def __init__(self, model: Transformer) -> None:
+        self.groups = model.config.n_heads // model.config.n_kv_heads
+        self.run_layer = compiled_layer_step()
+
+    def __call__(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
+                 mask: torch.Tensor | None, logits_rows: torch.Tensor | None) -> torch.Tensor:
+        """As Transformer.forward (input_pos (B|1, T)); cache: a PaddedKVCache with cache.length > 0."""
+        T, past = tokens.shape[1], cache.length
+        cos, sin = model.rotary(input_pos)
+        visible, reach = model.step_masks(mask, past, T, input_pos)
+        layout = key_layout(visible, past, self.groups, model.dtype, counted=reach)
+        step_layout = graph_layout(layout)
+        slots = torch.arange(past, past + T, device=tokens.device)
+        x = model.tok_embeddings(tokens).to(model.dtype)
+        for i, block in enumerate(model.layers):
+            x = self.run_layer(block, x, cos, sin, slots, cache.k[i], cache.v[i], *step_layout)
+        if logits_rows is not None:
+            x = x[:, logits_rows]
+        return model.output(model.norm(x))
 
 
-class CompiledDecoder(Decoder):
-    """Plain decoding whose steps after the prefill run one_token_logits, compiled. The prefill runs
-    Transformer.forward (causal attention over the prompt, the same with any attention kernel)."""
+def graph_layout(layout: KeyLayout) -> tuple[torch.Tensor, ...]:
+    """chunked_attention's key_bias, shared, tail_keys and tail_select for a KeyLayout, in shapes that keep the
+    graphs few: keys padded to Sp, a whole number of KEY_CHUNK chunks; the tail at least one chunk wide (a step
+    whose rows all see a prefix, which KeyLayout computes without a tail, gets its last chunk as the tail) and of
+    at least two chunks (an empty one added), so that no size is ever 0 or 1, which inductor would specialise on."""
+    C = KEY_CHUNK
+    Sp = max(round_up(layout.keys, C), 2 * C)  # PaddedKVCache keeps two chunks at least
+    key_bias = F.pad(layout.key_bias, (0, Sp - layout.keys), value=-torch.inf)
+    if layout.tail_select is None:
+        L0 = Sp - C
+        tail_select = torch.isfinite(key_bias[:, L0:]).to(key_bias.dtype)[None]
+    else:
+        L0 = layout.n_shared * C
+        tail_select = F.pad(layout.tail_select, (0, Sp - layout.keys))
+    if tail_select.shape[0] < 2:
+        tail_select = F.pad(tail_select, (0, 0, 0, 0, 0, 2 - tail_select.shape[0]))
+    slots = torch.arange(Sp, device=key_bias.device)
+    return key_bias, (slots < L0).to(key_bias.dtype), slots[L0:], tail_select
 
-    def __init__(self, ctx: DecodeContext) -> None:
-        super().__init__(ctx)
-        if type(ctx.cache) is not KVCache:
-            raise ValueError(f"a compiled step needs a plain KVCache, not a {type(ctx.cache).__name__}")
-        self.run = compiled_step(ctx.model)
-        for buffer in (ctx.cache.k, ctx.cache.v):
-            torch._dynamo.mark_dynamic(buffer, 3)  # the slot count: one graph for every cache capacity
 
-    def step(self) -> Step:
-        ctx, model = self.ctx, self.ctx.model
-        ctx.cache.check_room(1)
-        pos = torch.tensor([ctx.cache.length], device=ctx.device)
-        cos, sin = model.rotary(pos.view(1, 1))
-        x = model.tok_embeddings(torch.tensor([ctx.tokens[-1:]], device=ctx.device)).to(model.dtype)
-        logits = self.run(x, cos, sin, pos, ctx.cache.k, ctx.cache.v)
-        ctx.cache.commit(1)
-        return Step(self.emit([int(ctx.sampler.pick(ctx.sampler.penalize(logits[0, -1])))]), StepKind(), 1)
+def compile_steps(model: Transformer) -> Transformer:
+    """Run the model's decoding steps compiled (CompiledSteps). Its attention kernel becomes the exact one (the
+    layout chunked_attention computes, and the padded cache it reads), installed first when it is not; its row-tiled
+    linear layers (device.make_exact) get the row count at which F.linear, the kernel a graph calls, gives every row
+    the same bits (invariance.find_tiling on the unpacked kernel). device.check_invariance then tells whether the
+    compiled steps are exact. CPU only: on CUDA no compiled step has been built or tested. Returns the model."""
+    if model.device.type != "cpu":
+        raise ValueError(f"compiled steps are built and tested for the CPU only, not {model.device.type}; "
+                         f"run without compiling there")
+    if dist.is_available() and dist.is_initialized():
+        raise ValueError("a compiled step runs a model on one process, not in a process group (a sharded model)")
+    if model.attention_kernel.cache_type is not PaddedKVCache:
+        apply_exact_attention(model)
+    rows: dict[tuple, int] = {}
+    for module in model.modules():
+        if isinstance(module, RowTiledLinear):
+            key = (tuple(module.weight.shape), module.weight.dtype)
+            if key not in rows:
+                tiling = find_tiling(module.weight, packed=False)
+                rows[key] = tiling.rows if tiling is not None and not tiling.split else 1  # the check says
+            module.graph_rows = rows[key]
+    model.step_runner = CompiledSteps(model)
+    return model

@@ -117,17 +117,19 @@ class PaddedKVCache(KVCache):
     """The KV cache invariant_attention reads without copying.
 
     k: (n_layers, B, Hkv, slots, D), v: (n_layers, B, Hkv, slots, value_columns(D)), slots = capacity rounded up to
-    KEY_CHUNK; v's column D is all ones (it sums the attention weights) and the columns after it zero. Kept in
-    attention's work dtype (bfloat16 keys and values stored exactly in float32, read without a copy). Slots never
+    KEY_CHUNK, two chunks at least; v's column D is all ones (it sums the attention weights) and the columns after
+    it zero. Kept in attention's work dtype (bfloat16 keys and values stored exactly in float32, read without a copy). Slots never
     written hold zeros, so every slot is finite (a hidden key weighs exactly 0).
     """
 
     def allocate(self, config: ModelConfig, capacity: int, batch_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-        D, shape = config.head_dim, (config.n_layers, batch_size, config.n_kv_heads, round_up(capacity, KEY_CHUNK))
-        k = torch.zeros(*shape, D, dtype=work_dtype(dtype), device=device)
-        v = torch.zeros(*shape, value_columns(D), dtype=work_dtype(dtype), device=device)
-        v[..., D] = 1
+        slots = round_up(max(capacity, 2 * KEY_CHUNK), KEY_CHUNK)  # two chunks at least (compiled.graph_layout)
+        D, shape = config.head_dim, (config.n_layers, batch_size, config.n_kv_heads, slots)
+        with torch.inference_mode():  # written by steps only, which run in inference mode: one kind of tensor, so
+            k = torch.zeros(*shape, D, dtype=work_dtype(dtype), device=device)  # a compiled step has one graph
+            v = torch.zeros(*shape, value_columns(D), dtype=work_dtype(dtype), device=device)
+            v[..., D] = 1
         return k, v
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,10 +322,17 @@ class RowTiledLinear(nn.Module):
         super().__init__()
         self.weight, self.bias, self.tiling = linear.weight, linear.bias, tiling
         self.packed = prepack(linear.weight) if tiling.packed else None
+        # In a compiled graph (compiled.py) the layer is F.linear on at least graph_rows rows (padding rows added),
+        # the unpacked kernel's tiling: inductor does not call the prepacked kernel.
+        self.graph_rows = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # compiled.py: inductor cannot lower the prepacked kernel; it picks its own
-            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():
+            if self.graph_rows == 1:
+                return F.linear(x, self.weight, self.bias)
+            rows = x.reshape(-1, x.shape[-1])  # graph_rows - 1 padding rows: no row count, so no graph, is special
+            y = F.linear(F.pad(rows, (0, 0, 0, self.graph_rows - 1)), self.weight, self.bias)
+            return y[:rows.shape[0]].view(*x.shape[:-1], y.shape[-1])
         kernel = linear_kernel(self.weight, self.bias, self.packed)
         if not self.tiling.split and x.numel() >= self.tiling.rows * x.shape[-1]:
             return kernel(x)  # rows enough for the tiling: the kernel as it is (it flattens leading dimensions)

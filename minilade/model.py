@@ -7,6 +7,8 @@ only the rows the caller asks for.
 How attention is computed is one object the model holds and every layer calls, `attention_kernel` (by default
 `SDPAttention`: torch's scaled_dot_product_attention); it also says which KV cache it reads (`new_cache`). Another
 kernel is installed by swapping that object: minilade/invariance.py's batch-invariant one, for exact lookahead.
+Likewise `step_runner`, when set, runs every decoding step (a cache already holding rows) in place of the layer
+loop: minilade/compiled.py's compiled graphs.
 """
 
 from __future__ import annotations
@@ -191,6 +193,8 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.attention_kernel = SDPAttention()  # every layer's attention; swapped to change how it is computed
+        # A callable that runs a decoding step in place of the layers below (compiled.py: as compiled graphs).
+        self.step_runner = None
         # Buffers (not saved), so that .to(dtype) converts them with the weights.
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
@@ -256,6 +260,8 @@ class Transformer(nn.Module):
         if input_pos.dim() == 1:
             input_pos = input_pos.unsqueeze(0)
         self.cover_positions(cache.capacity)
+        if self.step_runner is not None and cache.length:
+            return self.step_runner(self, tokens, input_pos, cache, mask, logits_rows)
         cos, sin = self.rotary(input_pos)  # (B|1, T, 1, D)
         past, kernel = cache.length, self.attention_kernel
         visible, reach = self.step_masks(mask, past, T, input_pos)

@@ -25,17 +25,11 @@ STRATEGIES: dict[str, type[Strategy]] = {"autoregressive": Autoregressive, "look
 
 def make_strategy(name: str, **settings: Any) -> Strategy:
     """A strategy by name ("autoregressive", "lookahead" or "auto") with the given settings (window, ngram,
-    guesses, ...). Settings a strategy does not have are ignored, so one set of options serves every name.
-    compiled=True: plain decoding through compiled one-token steps (compiled.CompiledAutoregressive)."""
+    guesses, ...). Settings a strategy does not have are ignored, so one set of options serves every name."""
     try:
         kind = STRATEGIES[name]
     except KeyError:
         raise ValueError(f"unknown strategy {name!r}; choose {', '.join(STRATEGIES)}") from None
-    if settings.get("compiled"):  # plain decoding's steps compiled: a plug-in, imported only when asked for
-        if name != "autoregressive":
-            raise ValueError(f"compiled steps run plain decoding only (strategy autoregressive), not {name}")
-        from ..compiled import CompiledAutoregressive
-        return CompiledAutoregressive()
     fields = getattr(kind, "__dataclass_fields__", {})
     return kind(**{k: v for k, v in settings.items() if k in fields})
 

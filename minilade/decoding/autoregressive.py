@@ -9,7 +9,7 @@ from .base import DecodeContext, Decoder, Step, Strategy
 
 @dataclass(frozen=True)
 class Autoregressive(Strategy):
-    """One token per forward pass. (Its steps compiled into one graph: compiled.CompiledAutoregressive.)"""
+    """One token per forward pass."""
 
     name = "autoregressive"
 

@@ -137,8 +137,7 @@ class Strategy(ABC):
 
     def cache_type(self, model: Transformer) -> type[KVCache]:
         """The kind of KV cache the decoder works on: the one the model's attention kernel reads, as
-        model.new_cache makes it; a strategy that runs steps of its own names the one they read
-        (compiled.CompiledAutoregressive: a plain KVCache)."""
+        model.new_cache makes it; a strategy that runs steps of its own names the one they read."""
         return model.attention_kernel.cache_type
 
     def max_step_tokens(self) -> int:

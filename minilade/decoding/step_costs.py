@@ -97,14 +97,15 @@ def step_costs_for(model: Transformer, sizes: Sequence[int], cost_file: str | Pa
 
 
 def cost_key(model: Transformer) -> str:
-    """What the cost of a step depends on: the model's shape, dtype, quantized layers, device (the processor, on the
-    CPU), the torch build and the version of minilade's step kernels.
+    """What the cost of a step depends on: the model's shape, dtype, quantized layers, how its steps run (eager or
+    compiled), device (the processor, on the CPU), the torch build and the version of minilade's step kernels.
     (device.make_exact keeps its verdicts under the same key: they depend on the same things.)"""
     c = model.config
     device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else f"cpu {processor()}"
     quantized = quantized_layers(model)
+    steps = f"|{model.step_runner.name} steps" if model.step_runner is not None else ""  # compiled.py's
     return (f"L{c.n_layers}-d{c.dim}-h{c.n_heads}/{c.n_kv_heads}-ff{c.intermediate_size}-v{c.vocab_size}|"
-            f"{model.dtype}{f' ({quantized})' if quantized else ''}|{device}|threads {torch.get_num_threads()}|"
+            f"{model.dtype}{f' ({quantized})' if quantized else ''}{steps}|{device}|threads {torch.get_num_threads()}|"
             f"torch {torch.__version__}|lookahead mask|kernels {KERNELS_VERSION}")
 
 

@@ -1,89 +1,103 @@
-"""Plain decoding through the compiled one-token step (minilade/compiled.py)."""
+"""Decoding steps of any shape through compiled graphs (minilade/compiled.py): exact, for every strategy.
+
+Compiling is slow on a small CPU, so the models are tiny and few: every test reuses the one compiled layer
+function (compiled.compiled_layer_step), which keeps a graph per dtype, weight kind and one-row or wider step.
+"""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from minilade import Autoregressive
-from minilade.cli import build_parser, main, settings_from_args
-from minilade.compiled import CompiledAutoregressive, CompiledDecoder, compiled_step, one_token_logits
+from minilade import Autoregressive, Auto, Lookahead
+from minilade.compiled import chunked_attention, compile_steps, graph_layout
 from minilade.config import ModelConfig
-from minilade.decoding import make_strategy
-from minilade.decoding.loop import GenerationSettings, cache_for
-from minilade.invariance import PaddedKVCache
-from minilade.kv_cache import KVCache
-from minilade.model import Transformer
+from minilade.device import check_invariance, make_exact
+from minilade.invariance import invariant_attention, key_layout, pad_keys_values
+from minilade.masks import interleaved_step
+from minilade.model import Transformer, step_visibility
 from minilade.quant import quantize_embedding, quantize_linears
-from tests.helpers import run_tokens, tiny_model
+from tests.helpers import FLAT_COSTS, checked_runs, run_tokens, tiny_model
 
 
-def stock_model(sliding_window: int = 0) -> Transformer:
-    config = ModelConfig.preset("tiny-gqa").replace(vocab_size=40, sliding_window=sliding_window)
-    return Transformer(config).init_random(seed=5, std=0.3).eval()  # the stock kernels, as the compiled step
+def compiled_model(kind: str, sliding_window: int = 0) -> Transformer:
+    """A tiny model made exact (device.make_exact) with compiled steps: float32, bfloat16, int8 or int4 layers."""
+    config = ModelConfig.preset("tiny-gqa").replace(vocab_size=32, dim=64, head_dim=16, intermediate_size=128,
+                                                    sliding_window=sliding_window)  # int4 groups of 32 inputs
+    model = Transformer(config).init_random(seed=3, std=0.3).eval()
+    if kind == "bfloat16":
+        model = model.to(torch.bfloat16)
+    elif kind in ("int8", "int4"):
+        quantize_embedding(quantize_linears(model, kind, 32))
+    assert make_exact(model).exact
+    return compile_steps(model)
 
 
-@pytest.mark.parametrize("sliding_window", [0, 5])
-def test_static_step_gives_the_logits_of_the_models_own_step(sliding_window: int) -> None:
-    """one_token_logits run eagerly: attention over every slot, later slots masked (and, with a window, older
-    ones), against Transformer.forward's one-token steps on the same cache contents."""
-    model = stock_model(sliding_window)
-    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
-    ours, theirs = model.new_cache(24), model.new_cache(24)
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int4"])
+def test_compiled_rows_are_the_same_at_every_row_count(kind: str) -> None:
+    """A token's logits through compiled steps are bitwise the same in a one-row step, a causal multi-row step
+    and a lookahead step's interleaved rows (the load-time check, run through the compiled graphs)."""
+    model = compiled_model(kind)
+    assert model.step_runner is not None
+    assert check_invariance(model, contexts=(5, 70))
+
+
+def test_compiled_steps_compute_the_models_step() -> None:
+    """The compiled step is the eager step's function: the same logits up to rounding, a sliding window
+    included, and the same cache rows written."""
+    model = compiled_model("float32", sliding_window=6)
+    runner = model.step_runner
+    prompt, positions_mask = torch.randint(32, (1, 9)), interleaved_step(9, 8, lanes=4)
+    logits, caches = [], []
     with torch.inference_mode():
-        for cache in (ours, theirs):
-            model(prompt, torch.arange(prompt.shape[1]), cache)
-            cache.commit(prompt.shape[1])
-        token = torch.tensor([[7]])
-        for _ in range(10):  # past the window: the oldest keys drop out
-            pos = torch.tensor([ours.length])
-            cos, sin = model.rotary(pos.view(1, 1))
-            got = one_token_logits(model, model.tok_embeddings(token), cos, sin, pos, ours.k, ours.v)
-            want = model(token, pos, theirs)
-            ours.commit(1)
-            theirs.commit(1)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            token = want[:, -1:].argmax(-1)
-    torch.testing.assert_close(ours.k[:, :, :, :ours.length], theirs.k[:, :, :, :theirs.length])
+        for step_runner in (None, runner):
+            model.step_runner = step_runner
+            cache = model.new_cache(40)
+            model(prompt, torch.arange(9), cache)
+            cache.commit(9)
+            logits.append(model(torch.arange(8)[None] % 16, positions_mask[0], cache, positions_mask[1]))
+            caches.append(cache.k[:, :, :, :17].clone())
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(caches[0], caches[1], rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_plain_decoding_gives_the_stock_kernels_tokens() -> None:
-    """torch.compile end to end (the first call compiles), two generations of different cache capacity (one
-    graph: the slot count is dynamic), a float32 model and an int4 one."""
-    model = stock_model()
-    int4 = quantize_embedding(quantize_linears(Transformer(ModelConfig.preset("tiny-mha").replace(vocab_size=16))
-                                               .init_random(seed=3, std=0.3).eval(), "int4", 32))
-    for m, prompts in ((model, ([3, 1, 4], [2, 7, 1, 8, 2, 8])), (int4, ([5, 1],))):
-        for prompt in prompts:
-            compiled, run = run_tokens(m, prompt, CompiledAutoregressive(), max_new_tokens=20)
-            assert compiled == run_tokens(m, prompt, Autoregressive(), max_new_tokens=20)[0]
-            assert run.stats.steps == 19 and run.stats.strategy == "autoregressive"
+def test_chunked_attention_is_invariant_attention() -> None:
+    """Uncompiled, the graph's attention (all slots in chunks, the tail gathered) gives invariant_attention's rows
+    bitwise, for a causal and a lookahead step."""
+    gen = torch.Generator().manual_seed(0)
+    past, T, H, Hkv, D = 70, 8, 4, 2, 16
+    q = torch.randn(1, H, T, D, generator=gen)
+    keys, values = torch.randn(1, Hkv, past + T, D, generator=gen), torch.randn(1, Hkv, past + T, D, generator=gen)
+    for mask in (None, interleaved_step(past, T, lanes=4)[1]):
+        visible = step_visibility(mask, past, T, "cpu")
+        layout = key_layout(visible, past, H // Hkv, torch.float32)
+        step_layout = graph_layout(layout)
+        Sp = step_layout[0].shape[-1]
+        want = invariant_attention(q, *pad_keys_values(keys, values, layout.keys), layout)
+        got = chunked_attention(q, *pad_keys_values(keys, values, Sp), *step_layout)
+        assert torch.equal(got, want)
 
 
-def test_compiled_gets_a_plain_cache_and_refuses_others_and_other_devices() -> None:
-    """With the exact attention kernel installed, the model's own cache is padded; the compiled strategy is given
-    a plain one, and its decoder refuses any other."""
-    model = tiny_model()
-    assert type(model.new_cache(8)) is PaddedKVCache
-    for strategy, kind in ((CompiledAutoregressive(), KVCache), (Autoregressive(), PaddedKVCache)):
-        assert strategy.cache_type(model) is kind
-        assert type(cache_for(model, 3, GenerationSettings(strategy, max_new_tokens=4))) is kind
-    with pytest.raises(ValueError, match="needs a plain KVCache, not a PaddedKVCache"):
-        CompiledDecoder(SimpleNamespace(model=model, cache=model.new_cache(8)))
+@pytest.mark.parametrize("kind", ["float32", "int4"])
+def test_greedy_lookahead_and_auto_equal_plain_decoding_through_compiled_steps(kind: str) -> None:
+    model = compiled_model(kind)
+    runs = checked_runs(model, seed=1, strategies=[Lookahead(4, 3, 3), Auto(4, 3, 3, costs=FLAT_COSTS)], trials=2)
+    assert any(run.stats.compression > 1 for _, run in runs)  # drafts were accepted: fewer steps than tokens
+
+
+def test_compiled_steps_refuse_other_devices() -> None:
     with pytest.raises(ValueError, match="CPU only, not meta"):
-        compiled_step(tiny_model().to("meta"))
-    with pytest.raises(ValueError, match="plain decoding only"):
-        make_strategy("lookahead", compiled=True)
-    assert make_strategy("autoregressive", compiled=True) == CompiledAutoregressive()
-    assert make_strategy("autoregressive", compiled=False) == Autoregressive()
+        compile_steps(tiny_model().to("meta"))
 
 
-def test_compile_flag_reaches_plain_decoding_only(capsys) -> None:
-    on = settings_from_args(build_parser().parse_args(["p", "--strategy", "autoregressive", "--compile"]))
-    assert on.strategy == CompiledAutoregressive()
-    for strategy in ("lookahead", "auto"):
-        assert main(["a", "--ckpt", "/nonexistent.gguf", "--strategy", strategy, "--compile"]) == 2
-        err = capsys.readouterr().err
-        assert "--compile runs plain decoding only" in err and len(err.strip().splitlines()) == 1
+def test_plain_decoding_runs_one_row_steps_through_the_compiled_runner() -> None:
+    model = compiled_model("int4")
+    rows, runner = [], model.step_runner
+
+    def counting(*args):
+        rows.append(args[1].shape[1])
+        return runner(*args)
+
+    model.step_runner = counting
+    tokens, run = run_tokens(model, [3, 1, 4], Autoregressive(), max_new_tokens=12)
+    assert len(tokens) == 12 and rows == [1] * 11  # the prefill runs eagerly; every later step compiled
