@@ -26,7 +26,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .model import SDPAttention, Transformer
+from .model import SDPAttention, Transformer, step_visibility
 
 KEY_CHUNK = 64  # keys per chunk of attention's reduction; the k-th key a row sees falls in chunk k // KEY_CHUNK
 # Attention's matmuls run on row counts that are multiples of ROW_TILE and inner and column counts that are
@@ -40,6 +40,7 @@ LOG2_E = 1.4426950408889634  # attention's scores are scaled by it and exponenti
 # Raised whenever the step's kernels change (how they round, or what they cost): what a machine keeps about them
 # (step costs, invariance verdicts: decoding/step_costs.cost_key) is then measured again. 2: base-2 softmax.
 KERNELS_VERSION = 2
+PREFILL_ROWS = 256  # a prefill's query rows attend in blocks of this many (CausalPrefill)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -198,11 +199,29 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return out.reshape(B, H, T, D).to(q.dtype)
 
 
-class ExactAttention(SDPAttention):
-    """The model's attention kernel for exact lookahead: each decoding step's rows through invariant_attention.
+class CausalPrefill:
+    """A causal step over an empty cache (a prompt's prefill). Its query rows attend in blocks of PREFILL_ROWS, each
+    laid out as a causal step after the rows before it: a row's result does not depend on the step it is computed
+    in, and the scores held at once grow with the block times the prompt, not the prompt squared. The layouts are
+    made at the first layer, which knows the row count, and serve every layer."""
 
-    prepare makes the step's KeyLayout once for all layers. The prefill (no committed cache) keeps SDPA: plain
-    decoding and lookahead read the same prompt K/V, and no row of a prompt is compared with a row of another step.
+    def __init__(self, groups: int, dtype: torch.dtype) -> None:
+        self.groups, self.dtype = groups, dtype
+        self.blocks: list[KeyLayout] | None = None
+
+    def layouts(self, T: int, device: torch.device) -> list[KeyLayout]:
+        if self.blocks is None:
+            self.blocks = [key_layout(step_visibility(None, start, min(PREFILL_ROWS, T - start), device), start,
+                                      self.groups, self.dtype) for start in range(0, T, PREFILL_ROWS)]
+        return self.blocks
+
+
+class ExactAttention(SDPAttention):
+    """The model's attention kernel for exact lookahead: every step's rows through invariant_attention, a prompt's
+    prefill too. A row's K/V and output then depend only on the tokens up to it, never on how a prompt was split
+    between passes (a server that reuses a kept prompt prefix prefills only the rest: minilade/serve).
+
+    prepare makes the step's KeyLayout once for all layers (a prefill's at its first layer: CausalPrefill).
     groups: query heads per key head.
     """
 
@@ -212,17 +231,19 @@ class ExactAttention(SDPAttention):
         self.groups = groups
 
     def prepare(self, visible: torch.Tensor | None, reach: torch.Tensor | None, past: int, dtype: torch.dtype
-                ) -> KeyLayout | torch.Tensor | None:
-        """visible, reach: Transformer.step_masks; dtype: the model's."""
-        if not past:
-            return super().prepare(visible, reach, past, dtype)
+                ) -> KeyLayout | CausalPrefill:
+        """visible, reach: Transformer.step_masks (visible None: causal over an empty cache); dtype: the model's."""
+        if visible is None:
+            return CausalPrefill(self.groups, dtype)
         return key_layout(visible, past, self.groups, dtype, counted=reach)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
-                 step: KeyLayout | torch.Tensor | None) -> torch.Tensor:
-        if not isinstance(step, KeyLayout):
-            return super().__call__(q, k, v, cache, layer, step)
+                 step: KeyLayout | CausalPrefill) -> torch.Tensor:
         cache.write(layer, k, v)
+        if isinstance(step, CausalPrefill):
+            blocks = step.layouts(q.shape[2], q.device)
+            return torch.cat([invariant_attention(q[:, :, b.past:b.past + b.T], *padded_views(cache, layer, b.keys), b)
+                              for b in blocks], dim=2)
         return invariant_attention(q, *padded_views(cache, layer, step.keys), step)
 
 
