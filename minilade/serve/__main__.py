@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quantize", choices=["int8", "int4"], default=None)
     p.add_argument("--group-size", type=int, default=32)
     p.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes; larger get 413")
+    p.add_argument("--prompt-cache-mb", type=int, default=512,
+                   help="memory for finished requests' K/V, reused by prompts that begin with them (0: off; 512)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds running answers may take to finish after SIGTERM (10)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
@@ -92,7 +94,7 @@ class Server(uvicorn.Server):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(message)s")
-    limits = Limits(args.max_concurrent, args.queue, args.max_body, args.shutdown_timeout)
+    limits = Limits(args.max_concurrent, args.queue, args.max_body, args.shutdown_timeout, args.prompt_cache_mb << 20)
     service = Service(loader(args), model_id(args), api_key=args.api_key, limits=limits)
     config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on")

@@ -25,6 +25,7 @@ from ..llm import Generation
 from .engine import Engine, Job
 from .errors import APIError, invalid, unavailable
 from .metrics import Metrics
+from .prefill import PrefixCache
 from .protocol import Request as Parsed
 from .protocol import Served, parse_request
 from .responses import Answer, sse
@@ -39,6 +40,7 @@ class Limits:
     queue: int = 32
     max_body: int = 4 << 20  # bytes
     stop_timeout_s: float = 10.0
+    prompt_cache_bytes: int = 512 << 20  # finished requests' K/V kept for prompts that begin with them
 
 
 class Service:
@@ -59,8 +61,9 @@ class Service:
     def _load(self) -> None:
         try:
             served = self.load()
+            prefixes = PrefixCache(self.limits.prompt_cache_bytes)
             engine = Engine(served.llm, max_concurrent=self.limits.max_concurrent, queue_size=self.limits.queue,
-                            metrics=self.metrics)
+                            metrics=self.metrics, prefixes=prefixes)
             engine.start()
             self.served, self.engine = served, engine
             log.warning("minilade.serve: ready, serving %s", self.model_id)
@@ -179,14 +182,14 @@ async def generate(service: Service, request: Request, chat: bool) -> Response:
     engine.submit(job)
     answer = Answer(chat, served.model_id)
     if parsed.stream:
-        return EventStream(stream_events(answer, parsed, outbox), on_close=lambda: engine.cancel(job))
+        return EventStream(stream_events(answer, parsed, job, outbox), on_close=lambda: engine.cancel(job))
     try:
         generation = await whole_generation(outbox, request)
     finally:
         engine.cancel(job)  # nothing happens to a finished job; a client gone frees its place
     if generation is None:
         return Response(status_code=499)  # the client closed the connection; nobody reads this
-    return JSONResponse(answer.whole(generation))
+    return JSONResponse(answer.whole(generation, job.cached_tokens))
 
 
 async def read_json(request: Request, limit: int) -> object:
@@ -220,7 +223,7 @@ async def whole_generation(outbox: Outbox, request: Request) -> Generation | Non
             raise failure(kind, value)
 
 
-async def stream_events(answer: Answer, parsed: Parsed, outbox: Outbox) -> AsyncIterator[bytes]:
+async def stream_events(answer: Answer, parsed: Parsed, job: Job, outbox: Outbox) -> AsyncIterator[bytes]:
     """The stream's events. One piece of text is held back, so that the last content chunk carries the
     finish_reason."""
     if answer.chat:
@@ -235,7 +238,7 @@ async def stream_events(answer: Answer, parsed: Parsed, outbox: Outbox) -> Async
         elif kind == "done":
             yield sse(answer.chunk(held, value))
             if parsed.include_usage:
-                yield sse(answer.usage_chunk(value))
+                yield sse(answer.usage_chunk(value, job.cached_tokens))
             yield sse("[DONE]")
             return
         else:

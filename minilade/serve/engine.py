@@ -28,6 +28,7 @@ from ..llm import LLM, TextStream
 from .batched import ForwardCall, batched_forward, prepare_call
 from .errors import busy, unavailable
 from .metrics import Metrics
+from .prefill import Hit, PrefixCache, is_prefill, prefill_calls, splits_exactly
 
 log = logging.getLogger("minilade.serve")
 
@@ -45,6 +46,7 @@ class Job:
     settings: GenerationSettings
     deliver: Callable[[str, object], None]
     cancelled: bool = False
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Slot:
     job: Job
     thread: threading.Thread | None = None
     call: PendingCall | None = None
+    hit: Hit | None = None  # kept rows its prefill starts from
 
 
 class ModelProxy:
@@ -88,15 +91,26 @@ class ModelProxy:
 
     def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
                  mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        return self._engine.forward(self._slot, ForwardCall(tokens, input_pos, cache, mask, logits_rows))
+        call, slot = ForwardCall(tokens, input_pos, cache, mask, logits_rows), self._slot
+        if not self._engine.split_prefills or not is_prefill(call, len(slot.job.prompt_ids)):
+            return self._engine.forward(slot, call)
+        slot.job.cached_tokens, calls = prefill_calls(call, slot.hit)  # kept rows copied, the rest in chunks
+        try:
+            for part in calls:
+                logits = self._engine.forward(slot, part)
+            return logits
+        finally:
+            cache.length = 0  # the decoder commits the whole prompt itself
 
 
 class Engine:
     """Runs the generations of up to max_concurrent requests together; up to queue_size more wait their turn."""
 
     def __init__(self, llm: LLM, *, max_concurrent: int = 8, queue_size: int = 32,
-                 metrics: Metrics | None = None) -> None:
-        self.llm, self.max_concurrent, self.queue_size = llm, max_concurrent, queue_size
+                 metrics: Metrics | None = None, prefixes: PrefixCache | None = None) -> None:
+        """prefixes: where finished requests' K/V are kept for the prompts that begin with them (None: nowhere)."""
+        self.llm, self.max_concurrent, self.queue_size, self.prefixes = llm, max_concurrent, queue_size, prefixes
+        self.split_prefills = splits_exactly(llm.model)  # from kept rows and in chunks (prefill.py)
         self.metrics = metrics or Metrics()
         self.metrics.gauges.update(minilade_requests_running=lambda: len(self._running),
                                    minilade_queue_depth=lambda: len(self._waiting))
@@ -163,11 +177,16 @@ class Engine:
         """A worker thread: the request's whole generation, its text handed out as it streams."""
         job = slot.job
         try:
+            if self.prefixes is not None and self.split_prefills:
+                slot.hit = self.prefixes.find(job.prompt_ids)
             view = LLM(ModelProxy(self, slot), self.llm.tokenizer, self.llm.name, self.llm.generation_defaults)
             stream = TextStream(view, job.prompt_ids, job.settings)
             for piece in stream:
                 job.deliver("piece", piece)
-            self.metrics.generation(stream.result.stats, cached_tokens=0)
+            self.metrics.generation(stream.result.stats, cached_tokens=job.cached_tokens)
+            cache = view._take_cache()  # given back by the finished stream
+            if self.prefixes is not None and self.split_prefills and cache is not None:
+                self.prefixes.keep(job.prompt_ids + stream.result.token_ids, cache)
             job.deliver("done", stream.result)
         except Cancelled:
             self.metrics.add("minilade_requests_cancelled_total")

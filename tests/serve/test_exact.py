@@ -42,7 +42,7 @@ def alone(tiny_ckpt, kept_tables):
     llm = LLM.load(tiny_ckpt, dtype="float32", progress=False)
     costs = step_costs_for(llm.model, COST_SIZES, kept_tables / "step_costs.json")
 
-    def generate(chat: bool, prompt: str, fields: dict):
+    def generate(chat: bool, prompt, fields: dict):
         strategy = make_strategy(fields.get("strategy", "auto"), costs=costs,
                                  **{k: fields[k] for k in STRATEGY if k in fields})
         return llm.generate(prompt, chat=chat, max_new_tokens=fields["max_tokens"], stop=fields.get("stop", ()),
@@ -80,3 +80,21 @@ def test_concurrent_answers_equal_alone(server, alone):
         assert text == expected.text, (prompt, fields)
         assert n_tokens in (-1, len(expected.token_ids))
         assert expected.finish_reason == "stop" or "stop" not in fields, "no stop string met: pick another"
+
+
+def test_next_turn_reuses_the_conversation_and_answers_as_alone(server, alone):
+    """A chat's next turn resends the conversation: its prompt's first tokens come from the kept K/V of the turn
+    before (usage says how many), and the answer is the one a whole prefill gives."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    messages = [{"role": "system", "content": "answer in words"}, {"role": "user", "content": LONG_PROMPT[:300]}]
+    before = 0  # the prompt tokens of the turn before
+    for turn in range(3):
+        out = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+        answer = out.choices[0].message.content
+        cached = out.usage.prompt_tokens_details.cached_tokens
+        assert before - 4 <= cached < out.usage.prompt_tokens  # all of the turn before, give or take a merge
+        before = out.usage.prompt_tokens
+        expected = alone(True, messages, {"max_tokens": 24, "temperature": 0})
+        assert answer == expected.text
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"and then {turn}?"}]
