@@ -47,6 +47,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--ckpt", default=None, help="checkpoint (default: the demo model)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--chat-turns", type=int, default=5,
+                   help="then one conversation of this many turns (MT-Bench questions, one per turn) with and without "
+                        "prompt-prefix reuse, timing each turn's first token (0: skip)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     return p.parse_args(argv)
 
@@ -66,13 +69,13 @@ def load_prompts(args: argparse.Namespace) -> tuple[list[str], bool]:
 class Server:
     """A server process on a free loopback port, ready once /health says 200."""
 
-    def __init__(self, args: argparse.Namespace, strategy: str, max_concurrent: int) -> None:
+    def __init__(self, args: argparse.Namespace, strategy: str, max_concurrent: int, *extra: str) -> None:
         import socket
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         command = [sys.executable, "-m", "minilade.serve", "--port", str(self.port), "--strategy", strategy,
-                   "--max-concurrent", str(max_concurrent), "--queue", "64", "--dtype", args.dtype]
+                   "--max-concurrent", str(max_concurrent), "--queue", "64", "--dtype", args.dtype, *extra]
         self.process = subprocess.Popen(command + (["--ckpt", args.ckpt] if args.ckpt else []))
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + START_S
@@ -204,12 +207,57 @@ def main_job(argv: list[str]) -> int:
             results[mode]["peak_memory_mib"] = server.peak_memory_mib()
         finally:
             server.stop()
-    document = {"command": command_line("scripts.bench.serve", argv), "environment": env, "results": results}
+    document = {"command": command_line("scripts.bench.serve", argv), "environment": env, "results": results,
+                "chat_turns": chat_turns(args) if args.chat_turns else None}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_json(args.out_dir / "serve.json", document, indent=1)
     write_png(args.out_dir / "serve.png", plot(results, args.clients))
     print(f"wrote {args.out_dir / 'serve.json'} and serve.png")
     return 0
+
+
+def conversation(server: Server, questions: list[str], max_tokens: int) -> list[dict]:
+    """One chat, a question per turn, each turn resending the conversation so far: per turn its time to first token,
+    prompt and cached tokens, and its answer."""
+    messages, turns = [], []
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        start, first, text, usage = time.perf_counter(), None, [], {}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=600) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                usage = event.get("usage") or usage
+                piece = event["choices"][0]["delta"].get("content") if event.get("choices") else None
+                if piece:
+                    first = first or time.perf_counter() - start
+                    text.append(piece)
+        turns.append({"ttft": first, "prompt_tokens": usage.get("prompt_tokens"), "answer": "".join(text),
+                      "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens")})
+        messages.append({"role": "assistant", "content": "".join(text)})
+    return turns
+
+
+def chat_turns(args: argparse.Namespace) -> dict:
+    """The same conversation on a server that reuses prompt prefixes and on one that does not."""
+    file, text, _ = SETS["mt_bench"]
+    records = [json.loads(line) for line in (args.data / file).read_text().splitlines() if line.strip()]
+    questions = [text(r) for r in records[-args.chat_turns:]]
+    runs = {}
+    for name, extra in (("reuse", ()), ("no reuse", ("--prompt-cache-mb", "0"))):
+        server = Server(args, "auto", 1, *extra)
+        try:
+            runs[name] = conversation(server, questions, args.max_tokens)
+        finally:
+            server.stop()
+    for i, (a, b) in enumerate(zip(runs["reuse"], runs["no reuse"])):
+        print(f"chat turn {i + 1}: prompt {a['prompt_tokens']} tokens, cached {a['cached_tokens']}; TTFT with reuse "
+              f"{1e3 * a['ttft']:.0f} ms, without {1e3 * b['ttft']:.0f} ms (x{a['ttft'] / b['ttft']:.2f}); same "
+              f"answer: {a['answer'] == b['answer']}", flush=True)
+    return runs
 
 
 def line_of(mode: str, clients: int, r: dict) -> str:
