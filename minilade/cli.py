@@ -58,17 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (default): lookahead shaped step by step from the measured cost of a step on this "
                         "machine (W, N, G then bound the largest step), plain decoding where lookahead does not pay; "
                         "autoregressive: plain decoding, one token per forward pass")
-    s.add_argument("--compile", action="store_true",
-                   help="with --strategy autoregressive: run each one-token step as one compiled graph "
-                        "(torch.compile; the first run compiles for a minute or more, later runs reuse it): "
-                        "faster, but its output is not bitwise that of lookahead or auto, and may differ from "
-                        "plain decoding's at a near tie")
+    s.add_argument("--compile", choices=["auto", "on", "off"], default="off",
+                   help="run the decoding steps of every strategy as compiled graphs (torch.compile, CPU): faster "
+                        "steps, but the first run on a machine compiles for about a minute and every later process "
+                        "spends some 25 s before its first compiled steps. auto: where they pass the exactness check "
+                        "and measure faster than eager steps here; on: where they pass the check; off (default)")
     add_strategy_options(s)
     d = p.add_argument_group("hardware")
     d.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (CUDA only)")
-    d.add_argument("--quantize", choices=["int8", "int4"], default=None,
+    d.add_argument("--quantize", choices=["auto", "none", "int8", "int4"], default="auto",
                    help="keep weights quantized (CPU): linear layers int8 per channel or int4 in groups, "
-                        "the embedding int8 in groups of 32")
+                        "the embedding int8 in groups of 32. auto (default): int4 with --dtype auto when a GGUF "
+                        "file keeps its weights in 4-bit codes (taken as they are), else none")
     d.add_argument("--group-size", type=int, default=32, help="int4 group size: 32, 64, 128 or 256")
     d.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, statistics)")
@@ -107,11 +108,7 @@ def settings_from_args(args: argparse.Namespace) -> GenerationSettings:
         if name in given and args.strategy not in owners:
             raise ValueError(f"--{name.replace('_', '-')} applies to --strategy {' or '.join(owners)}, "
                              f"not {args.strategy}")
-    if args.compile and args.strategy != "autoregressive":
-        raise ValueError(f"--compile runs plain decoding only (--strategy autoregressive): {args.strategy}'s steps "
-                         f"must give plain decoding's exact output, which a compiled step does not promise")
-    strategy = make_strategy(args.strategy, compiled=args.compile,
-                             cost_file=str(kept_tables_dir() / COST_TABLE), **given)
+    strategy = make_strategy(args.strategy, cost_file=str(kept_tables_dir() / COST_TABLE), **given)
     check_sampling(sampling_options(args))
     return GenerationSettings(strategy, SamplingParams(), args.max_new_tokens, tuple(args.stop))
 
@@ -152,7 +149,7 @@ def run_once(llm: LLM, args: argparse.Namespace, settings: GenerationSettings) -
         return
     result = stream_to_stdout(stream)
     print(flush=True)
-    print(summary_line(result) + f", finish: {result.finish_reason}", file=sys.stderr)
+    print(summary_line(result) + f", finish: {result.finish_reason}; model {llm.setup}", file=sys.stderr)
 
 
 def summary_line(result: Generation) -> str:
@@ -203,10 +200,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         settings = settings_from_args(args)
-        if args.quantize is not None:
-            check_options(args.quantize, args.group_size)
-        llm = LLM.load(args.ckpt, dtype=args.dtype, device=args.device, quantize=args.quantize,
-                       group_size=args.group_size, tensor_parallel=launched_with_ranks(os.environ))
+        quantize = None if args.quantize == "none" else args.quantize
+        if quantize not in (None, "auto"):
+            check_options(quantize, args.group_size)
+        llm = LLM.load(args.ckpt, dtype=args.dtype, device=args.device, quantize=quantize,
+                       group_size=args.group_size, compile={"on": True, "off": False}.get(args.compile, "auto"),
+                       tensor_parallel=launched_with_ranks(os.environ))
         settings = with_checkpoint_defaults(llm, args, settings)
         with quiet_unless_leader(llm.model):  # under torchrun, only rank 0 writes
             if args.interactive:

@@ -19,15 +19,21 @@ decoding's output through compiled steps, as they do eagerly.
 from __future__ import annotations
 
 import functools
+import shutil
+import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .decoding.step_costs import cost_key, measure_step_costs
+from .device import check_invariance
 from .invariance import KEY_CHUNK, LOG2_E, KeyLayout, PaddedKVCache, RowTiledLinear, apply_exact_attention, \
     find_tiling, key_layout, round_up, work_dtype
 from .kv_cache import KVCache
+from .memo import read_table, write_entry
 from .model import Block, Transformer
 
 
@@ -88,7 +94,10 @@ def compiled_layer_step() -> Callable[..., torch.Tensor]:
     """layer_step under torch.compile, shared by every model and layer: dynamo lifts a layer's weights into graph
     inputs and guards on their shapes and types, so the layers of a model share graphs. The graph's host code is
     C++ (inductor's cpp_wrapper), measured faster than its Python wrapper (docs/benchmarks.md). Inductor keeps
-    what it built on disk: a later process compiles in seconds."""
+    what it built on disk, but a later process still traces each graph again (some 12 s each for the demo model).
+    A graph is kept per dtype, kind of weight, one-row or wider step, and whether the cache was made in inference
+    mode; dynamo's default of 8 graphs a function is raised to hold them (past it, fullgraph fails loudly)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(layer_step, dynamic=True, fullgraph=True, options={"cpp_wrapper": True})
 
 
@@ -166,3 +175,51 @@ def compile_steps(model: Transformer) -> Transformer:
             module.graph_rows = rows[key]
     model.step_runner = CompiledSteps(model)
     return model
+
+
+def compiler_missing() -> str | None:
+    """Why steps cannot be compiled here (no C++ compiler for inductor's CPU code), or None."""
+    if not any(shutil.which(name) for name in ("g++", "c++", "clang++")):
+        return "no C++ compiler (g++, c++ or clang++) on PATH"
+    return None
+
+
+def choose_steps(model: Transformer, check_file: str | Path | None = None, *, force: bool = False) -> str:
+    """Compile the model's steps (compile_steps) where that is exact and, unless `force`, measured faster: the
+    compiled steps must pass device.check_invariance, and a one-row plus an 8-row step after 128 tokens must take
+    less time than eagerly. Compiling is not tried, unless forced, where a weight matmul would need padding rows
+    in the graph (RowTiledLinear.graph_rows > 1: float32 here, measured slower than its eager prepacked kernel).
+    What was found is kept in check_file (JSON, per model, machine and kernels). The model is left eager when
+    compiled steps lose or fail; the return value says which, in a few words, for the user."""
+    missing = compiler_missing()
+    if missing:
+        return f"eager steps ({missing})"
+    if model.device.type != "cpu" or (dist.is_available() and dist.is_initialized()):
+        return "eager steps"
+    compile_steps(model)
+    if not force and any(m.graph_rows > 1 for m in model.modules() if isinstance(m, RowTiledLinear)):
+        model.step_runner = None
+        return "eager steps (compiled ones would pad each weight matmul to more rows)"
+    key = cost_key(model)
+    known = (read_table(check_file) or {}).get(key) if check_file is not None else None
+    if known is None:
+        print("minilade: compiling the model's steps (once per machine; about a minute on 2 cores)...",
+              file=sys.stderr, flush=True)
+        runner, exact = model.step_runner, check_invariance(model)
+        seconds = {}
+        for name, step_runner in (("eager", None), ("compiled", runner)):
+            model.step_runner = step_runner
+            seconds[name] = sum(measure_step_costs(model, (1, 8), context=128, repeats=2).values())
+        model.step_runner = runner
+        known = {"exact": exact, "eager_s": seconds["eager"], "compiled_s": seconds["compiled"]}
+        if check_file is not None:
+            write_entry(check_file, key, known)
+    if not known["exact"]:
+        model.step_runner = None
+        return "eager steps (compiled ones failed the exactness check here)"
+    if not force and known["compiled_s"] >= known["eager_s"]:
+        model.step_runner = None
+        return f"eager steps (measured faster than compiled: {known['eager_s'] * 1e3:.0f} against " \
+               f"{known['compiled_s'] * 1e3:.0f} ms for a 1- and an 8-row step)"
+    return f"compiled steps ({known['compiled_s'] * 1e3:.0f} ms for a 1- and an 8-row step, eager " \
+           f"{known['eager_s'] * 1e3:.0f})"

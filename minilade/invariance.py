@@ -127,10 +127,9 @@ class PaddedKVCache(KVCache):
                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         slots = round_up(max(capacity, 2 * KEY_CHUNK), KEY_CHUNK)  # two chunks at least (compiled.graph_layout)
         D, shape = config.head_dim, (config.n_layers, batch_size, config.n_kv_heads, slots)
-        with torch.inference_mode():  # written by steps only, which run in inference mode: one kind of tensor, so
-            k = torch.zeros(*shape, D, dtype=work_dtype(dtype), device=device)  # a compiled step has one graph
-            v = torch.zeros(*shape, value_columns(D), dtype=work_dtype(dtype), device=device)
-            v[..., D] = 1
+        k = torch.zeros(*shape, D, dtype=work_dtype(dtype), device=device)
+        v = torch.zeros(*shape, value_columns(D), dtype=work_dtype(dtype), device=device)
+        v[..., D] = 1
         return k, v
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,11 +26,12 @@ from torch import nn
 
 from .checkpoints import DEFAULT_CHECKPOINT, Checkpoint, build_model, open_checkpoint
 from .checkpoints.generation_config import defaults_from_hf, merge_sampling, read_generation_defaults
-from .checkpoints.gguf_quant import gguf_embedding, gguf_int4_weights
+from .checkpoints.gguf_quant import INT4_TYPES, gguf_embedding, gguf_int4_weights
 from .checkpoints.hf import config_from_hf
 from .checkpoints.resolve import CHECK_TABLE, COST_TABLE, kept_tables_dir
 from .decoding import Auto, GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens, make_strategy
 from .decoding.loop import cache_for
+from .decoding.step_costs import quantized_layers
 from .device import choose_dtype, default_device, make_exact, resolve_dtype
 from .kv_cache import KVCache
 from .model import Transformer
@@ -68,6 +69,7 @@ class LLM:
         self.name = name
         self.generation_defaults = dict(generation_defaults or {})
         self.tables = tables
+        self.setup = ""  # how the model runs, in a few words (dtype, quantized layers, eager or compiled steps)
         self._spare_cache: KVCache | None = None  # reused by the next generation; None while one holds it
 
     @property
@@ -78,8 +80,8 @@ class LLM:
     @classmethod
     def load(cls, ckpt: str | Path | None = None, *, dtype: str | torch.dtype | None = None,
              device: str | torch.device | None = None, progress: bool = True, exact: bool = True,
-             tables: str | Path | bool = True, quantize: str | None = None, group_size: int = 32,
-             tensor_parallel: bool = False) -> LLM:
+             tables: str | Path | bool = True, quantize: str | None = "auto", group_size: int = 32,
+             compile: bool | str = False, tensor_parallel: bool = False) -> LLM:
         """ckpt: a .gguf file, a folder with config.json and safetensors, a Hugging Face repo id
         (owner/name[@revision]), or None for the demo model (downloaded on first use).
         dtype: float32, bfloat16, float16 (CUDA only) or None for the device's fast default.
@@ -95,16 +97,23 @@ class LLM:
         quantize: "int8" (per output channel) or "int4" (groups of group_size inputs) keeps the linear layers
         quantized (CPU only, bfloat16 inside the layer, see quant.py), and the token embedding as int8 in groups
         of 32; int4 in groups of 32 takes a GGUF file's Q4_0/Q4_1 codes as they are, and the embedding its Q8_0
-        codes.
+        codes. "auto" (the default): int4 when dtype is auto and a GGUF file keeps weights in Q4_0/Q4_1 codes (the
+        file's own rounding, nothing more), else nothing quantized. None: nothing quantized.
+        compile: run the decoding steps as compiled graphs (compiled.py, CPU): "auto" where they pass the
+        exactness check and measure faster than eager steps on this machine (kept in tables), True whenever they
+        pass the check, False (the default) never: even with inductor's cache on disk, a process spends some 12 s
+        tracing each graph before its first compiled step (docs/benchmarks.md). `self.setup` says what was chosen.
         tensor_parallel: this process is one rank of a run launched by torchrun; it loads and runs only its shard
         (minilade/parallel; dtype auto is float32 on the CPU, the check is made at every load, no quantization)."""
-        if quantize is not None:
+        if quantize not in (None, "auto"):
             check_options(quantize, group_size)
+        if compile not in (True, False, "auto"):
+            raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
         measure_dtype = dtype in (None, "auto")
         device, dtype = device_and_dtype(device, dtype)
         tables = tables_dir(tables)
         if tensor_parallel:
-            if quantize is not None:
+            if quantize not in (None, "auto"):
                 raise ValueError("quantize does not combine with tensor parallelism (yet): leave it out")
             model, tokenizer, name = load_shard(ckpt if ckpt is not None else DEFAULT_CHECKPOINT, dtype=dtype,
                                                 device=device, progress=progress)
@@ -116,9 +125,11 @@ class LLM:
         tokenizer = Tokenizer.from_checkpoint(checkpoint.path, gguf_metadata=metadata)
         defaults = read_generation_defaults(checkpoint.path)
         model = checkpoint.load_model(dtype=dtype, device=device)
+        if quantize == "auto":
+            quantize, group_size = ("int4", 32) if measure_dtype and has_int4_codes(checkpoint) else (None, 32)
         blocks = gguf_codes(checkpoint, model, tokenizer.vocab_size, quantize, group_size) if quantize else {}
         llm = cls.prepared(model, tokenizer, str(checkpoint.path), exact=exact, measure_dtype=measure_dtype,
-                           tables=tables, quantize=quantize, group_size=group_size, blocks=blocks)
+                           tables=tables, quantize=quantize, group_size=group_size, blocks=blocks, compile=compile)
         llm.generation_defaults = defaults
         return llm
 
@@ -151,11 +162,12 @@ class LLM:
     @classmethod
     def prepared(cls, model: Transformer, tokenizer: Tokenizer, name: str, *, exact: bool = True,
                  measure_dtype: bool = False, tables: Path | None = None, quantize: str | None = None,
-                 group_size: int = 32, blocks: dict | None = None) -> LLM:
+                 group_size: int = 32, blocks: dict | None = None, compile: bool | str = False) -> LLM:
         """The last steps of loading: the output head cut to the tokenizer's vocabulary; linear layers and the
         embedding quantized when asked (taking `blocks`, a file's own codes by module name, as they are); the
         model made exact when `exact` (in the fastest exact dtype when measure_dtype and nothing is quantized, see
-        device.choose_dtype), else left with the stock kernels; what that measures is kept in `tables`."""
+        device.choose_dtype), else left with the stock kernels; its steps compiled as `compile` says (see load); what
+        that measures is kept in `tables`."""
         drop_padded_logits(model, tokenizer.vocab_size)
         if quantize is not None:
             blocks = dict(blocks or {})
@@ -166,7 +178,14 @@ class LLM:
             model = choose_dtype(model, check_file)
         elif exact:
             make_exact(model, check_file)
-        return cls(model, tokenizer, name, tables=tables)
+        steps = "eager steps"
+        if exact and compile:
+            from .compiled import choose_steps  # torch.compile's machinery, imported only when asked for
+            steps = choose_steps(model, check_file, force=compile is True)
+        llm = cls(model, tokenizer, name, tables=tables)
+        quantized = quantized_layers(model)
+        llm.setup = f"{str(model.dtype).removeprefix('torch.')}{f' ({quantized})' if quantized else ''}, {steps}"
+        return llm
 
     def _take_cache(self) -> KVCache | None:
         cache, self._spare_cache = self._spare_cache, None
@@ -288,6 +307,12 @@ def gguf_codes(checkpoint: Checkpoint, model: Transformer, n_tokens: int, quanti
     if embedding is not None:
         blocks["tok_embeddings"] = embedding
     return blocks
+
+
+def has_int4_codes(checkpoint: Checkpoint) -> bool:
+    """Whether a GGUF file keeps tensors in Q4_0/Q4_1 codes, which int4 layers in groups of 32 take as they are."""
+    return checkpoint.format == "gguf" and any(t.tensor_type in INT4_TYPES
+                                               for t in checkpoint.source.by_name.values())
 
 
 def peak_memory() -> int | None:

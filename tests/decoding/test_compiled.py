@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from minilade import Autoregressive, Auto, Lookahead
-from minilade.compiled import chunked_attention, compile_steps, graph_layout
+from minilade import compiled
+from minilade.compiled import choose_steps, chunked_attention, compile_steps, graph_layout
 from minilade.config import ModelConfig
 from minilade.device import check_invariance, make_exact
 from minilade.invariance import invariant_attention, key_layout, pad_keys_values
@@ -101,3 +102,18 @@ def test_plain_decoding_runs_one_row_steps_through_the_compiled_runner() -> None
     model.step_runner = counting
     tokens, run = run_tokens(model, [3, 1, 4], Autoregressive(), max_new_tokens=12)
     assert len(tokens) == 12 and rows == [1] * 11  # the prefill runs eagerly; every later step compiled
+
+
+def test_steps_are_compiled_when_asked_and_exact_and_the_setup_says_so(monkeypatch, tmp_path) -> None:
+    """choose_steps (what LLM.load(compile=...) runs): forced, the compiled runner is installed and its verdict kept
+    in the check file; without a C++ compiler the model stays eager and the reason is given."""
+    model = compiled_model("int4")
+    model.step_runner = None
+    check_file = tmp_path / "invariance.json"
+    assert choose_steps(model, check_file, force=True).startswith("compiled steps")
+    assert model.step_runner is not None and check_file.exists()
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    model.step_runner = None
+    assert choose_steps(model, check_file, force=True) == \
+        "eager steps (no C++ compiler (g++, c++ or clang++) on PATH)"
+    assert model.step_runner is None

@@ -31,7 +31,7 @@ def test_decode_and_steps_run_every_contender_batch_invariant(quantizable_checkp
     assert set(decode["table"]) == timed | {"int4 compiled"} and decode["table"]["float32"]["vs_float32"] == 1.0
     assert decode["table"]["int4 compiled"]["tokens_per_s"] > 0
     assert {name: same for name, same in decode["exact"].items() if name in timed} == dict.fromkeys(timed, "1/1")
-    assert set(decode["compiled_vs_eager"]) == {"int4"}  # how many agree is reported, not promised
+    assert decode["compiled_exact"] == {"int4 compiled": "1/1"}  # exact through compiled steps too
     assert set(results["steps"]) >= {"table"}
 
 
