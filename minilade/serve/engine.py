@@ -25,7 +25,8 @@ import torch
 from ..decoding import GenerationSettings
 from ..kv_cache import KVCache
 from ..llm import LLM, TextStream
-from .batched import ForwardCall, batched_forward, prepare_call
+from ..model import Transformer
+from .batched import ForwardCall, PreparedCall, batched_forward, prepare_call
 from .errors import busy, unavailable
 from .metrics import Metrics
 from .prefill import Hit, PrefixCache, is_prefill, prefill_calls, splits_exactly
@@ -260,7 +261,8 @@ class Engine:
                 call.answer(result)
 
     @staticmethod
-    def _alone(model, prepared, call: PendingCall) -> torch.Tensor | None:
+    def _alone(model: Transformer, prepared: PreparedCall, call: PendingCall) -> torch.Tensor | None:
+        """One call's logits from a pass of its own, or None when it fails too (the call then has its error)."""
         try:
             return batched_forward(model, [prepared])[0]
         except Exception as error:  # noqa: BLE001
