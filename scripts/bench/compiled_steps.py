@@ -1,0 +1,73 @@
+"""Eager against compiled steps (minilade/compiled.py) on the real model, by rows per step.
+
+For one weight configuration: the load-time exactness check run through the compiled steps (and the seconds it and
+the first compiles took), then milliseconds of a step of T rows after 100 committed tokens, the rows masked as a
+lookahead step's, eager and compiled interleaved in one process (medians of 7 after a warm-up).
+
+    python -m scripts.bench.compiled_steps int4     # or float32, bfloat16, int8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from minilade.compiled import compile_steps
+from minilade.device import check_invariance
+from minilade.llm import LLM
+from minilade.masks import interleaved_step
+
+from .one_token_step import cpu_flags
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def step_ms(model, runner, sizes=SIZES, repeats: int = 7, past: int = 100) -> dict[int, dict[str, float]]:
+    """Median ms of a T-row step, eager (step_runner None) and compiled (runner), interleaved."""
+    samples = {T: {"eager": [], "compiled": []} for T in sizes}
+    with torch.inference_mode():
+        model.step_runner = None
+        cache = model.new_cache(past + max(sizes) + 1)
+        model(torch.randint(1000, (1, past)), torch.arange(past), cache)
+        cache.commit(past)
+        for rep in range(repeats + 1):
+            for name, step_runner in (("eager", None), ("compiled", runner)):
+                model.step_runner = step_runner
+                for T in sizes:
+                    positions, mask = interleaved_step(past, T, lanes=4)
+                    start = time.perf_counter()
+                    model(torch.randint(1000, (1, T)), positions, cache, mask)
+                    if rep:
+                        samples[T][name].append(time.perf_counter() - start)
+    model.step_runner = runner
+    return {T: {k: round(statistics.median(v) * 1e3, 1) for k, v in s.items()} for T, s in samples.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("weights", choices=["float32", "bfloat16", "int8", "int4"])
+    p.add_argument("--ckpt", default=None, help="default: the demo model")
+    args = p.parse_args(argv)
+    dtype = "bfloat16" if args.weights == "bfloat16" else "float32"
+    quantize = args.weights if args.weights in ("int8", "int4") else None
+    llm = LLM.load(args.ckpt, dtype=dtype, quantize=quantize, progress=False)
+    start = time.perf_counter()
+    model = compile_steps(llm.model)
+    exact = check_invariance(model)
+    result = {"weights": args.weights, "cpu_flags": cpu_flags(), "exact_compiled": exact,
+              "check_and_compile_s": round(time.perf_counter() - start, 1), "ms": step_ms(model, model.step_runner)}
+    print(f"CPU flags: {result['cpu_flags']}")
+    print(f"{args.weights}: compiled steps exact: {exact} (check and first compiles {result['check_and_compile_s']} s)")
+    print("| rows | eager ms | compiled ms |\n| --- | --- | --- |")
+    for T, ms in result["ms"].items():
+        print(f"| {T} | {ms['eager']} | {ms['compiled']} |")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
