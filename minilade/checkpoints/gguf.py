@@ -47,7 +47,8 @@ FLOAT_TYPES: dict[QType, torch.dtype] = {
 }
 # Block-quantised types dequantised to float32 (Q4_0, Q4_1 and Q8_0 in torch by gguf_blocks.py, the others with
 # gguf.quants): the legacy and k-quant types, the i-quants and ternary types llama.cpp's quantize tool writes for
-# LLaMA-family files; each is checked by tests/checkpoints/test_gguf.py. (Q4_0 / Q4_1 may instead be kept as they are for int4 kernels: gguf_quant.py.)
+# LLaMA-family files; each is checked by tests/checkpoints/test_gguf.py. (Q4_0 / Q4_1 may instead be kept as they
+# are for int4 kernels: gguf_quant.py.)
 QUANTISED_TYPES: frozenset[QType] = frozenset({
     QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0,
     QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
