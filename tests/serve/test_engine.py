@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import queue
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -16,7 +18,7 @@ from minilade.serve.engine import Engine, Job
 from minilade.serve.errors import APIError
 from tests.helpers import FLAT_COSTS
 
-from .helpers import CONTEXT, start_server
+from .helpers import CONTEXT, free_port, start_server
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +104,10 @@ def test_sigterm_lets_the_running_answer_finish_and_exits_0(tiny_ckpt):
     assert server.stop(timeout=60) == 0, server.output()
     reader.join(60)
     assert lines[-1] == "data: [DONE]", lines[-3:]  # finished within --shutdown-timeout, not cut
+
+
+def test_a_checkpoint_that_does_not_load_ends_the_server_with_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "minilade.serve", "--ckpt", str(tmp_path / "missing.gguf"),
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in done.stderr
