@@ -5,7 +5,8 @@ strings, streaming text) in a worker thread of its own, against a `ModelProxy` i
 not compute: a decoder's forward call is handed to the engine and the worker blocks until its logits come back. The
 engine waits until every running request is blocked in a forward call (or has finished), then runs one pass over
 all their rows (batched.batched_forward) and hands each its logits. The decoders are unchanged, and each sees
-exactly the logits it would get alone, so each answer is the one it gets alone.
+exactly the logits it would get alone, so each answer is the one it gets alone. A prompt's prefill starts from the
+rows kept for a prefix it shares with a finished request and runs in chunks (prefill.py).
 
     HTTP (asyncio) --submit--> waiting (bounded) --admit--> running (<= max_concurrent worker threads)
                                                                | forward call, blocks
