@@ -43,7 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                                                 "none (auto)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--device", default=None)
-    p.add_argument("--quantize", choices=["int8", "int4"], default=None)
+    p.add_argument("--quantize", choices=["auto", "none", "int8", "int4"], default="auto",
+                   help="as the CLI's: auto keeps a GGUF file's own int4 codes when --dtype is auto")
     p.add_argument("--group-size", type=int, default=32)
     p.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes; larger get 413")
     p.add_argument("--prompt-cache-mb", type=int, default=512,
@@ -70,8 +71,8 @@ def loader(args: argparse.Namespace):
     per machine), and auto's step costs, measured once here instead of inside a request."""
     def load() -> Served:
         tables = kept_tables_dir()
-        llm = LLM.load(args.ckpt, dtype=args.dtype, device=args.device, quantize=args.quantize,
-                       group_size=args.group_size, progress=False)
+        llm = LLM.load(args.ckpt, dtype=args.dtype, device=args.device, group_size=args.group_size, progress=False,
+                       quantize=None if args.quantize == "none" else args.quantize)
         costs = step_costs_for(llm.model, COST_SIZES, tables / "step_costs.json")
         return Served(llm, model_id(args), args.strategy, costs)
     return load
