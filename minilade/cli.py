@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--compile", choices=["auto", "on", "off"], default="off",
                    help="run the decoding steps of every strategy as compiled graphs (torch.compile, CPU): faster "
                         "steps, but the first run on a machine compiles for about a minute and every later process "
-                        "spends some 25 s before its first compiled steps. auto: where they pass the exactness check "
+                        "spends some 35 s tracing its graphs again before its first compiled steps. auto: where they pass the exactness check "
                         "and measure faster than eager steps here; on: where they pass the check; off (default)")
     add_strategy_options(s)
     d = p.add_argument_group("hardware")
