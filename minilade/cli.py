@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--compile", choices=["auto", "on", "off"], default="off",
                    help="run the decoding steps of every strategy as compiled graphs (torch.compile, CPU): faster "
                         "steps, but the first run on a machine compiles for about a minute and every later process "
-                        "spends some 35 s tracing its graphs again before its first compiled steps. auto: where they pass the exactness check "
-                        "and measure faster than eager steps here; on: where they pass the check; off (default)")
+                        "spends some 35 s tracing its graphs again before its first compiled steps. auto: where "
+                        "they pass the exactness check and measure faster than eager steps here; on: where they "
+                        "pass the check; off (default)")
     add_strategy_options(s)
     d = p.add_argument_group("hardware")
     d.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (CUDA only)")
