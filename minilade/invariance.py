@@ -119,8 +119,8 @@ class PaddedKVCache(KVCache):
 
     k: (n_layers, B, Hkv, slots, D), v: (n_layers, B, Hkv, slots, value_columns(D)), slots = capacity rounded up to
     KEY_CHUNK, two chunks at least; v's column D is all ones (it sums the attention weights) and the columns after
-    it zero. Kept in attention's work dtype (bfloat16 keys and values stored exactly in float32, read without a copy). Slots never
-    written hold zeros, so every slot is finite (a hidden key weighs exactly 0).
+    it zero. Kept in attention's work dtype (bfloat16 keys and values stored exactly in float32, read without a
+    copy). Slots never written hold zeros, so every slot is finite (a hidden key weighs exactly 0).
     """
 
     def allocate(self, config: ModelConfig, capacity: int, batch_size: int, dtype: torch.dtype,
