@@ -30,8 +30,18 @@ import torch.nn.functional as F
 
 from .decoding.step_costs import cost_key, measure_step_costs
 from .device import check_invariance
-from .invariance import KEY_CHUNK, LOG2_E, KeyLayout, PaddedKVCache, RowTiledLinear, apply_exact_attention, \
-    find_tiling, key_layout, round_up, work_dtype
+from .invariance import (
+    KEY_CHUNK,
+    LOG2_E,
+    KeyLayout,
+    PaddedKVCache,
+    RowTiledLinear,
+    apply_exact_attention,
+    find_tiling,
+    key_layout,
+    round_up,
+    work_dtype,
+)
 from .kv_cache import KVCache
 from .memo import read_table, write_entry
 from .model import Block, Transformer

@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minilade import Autoregressive, Auto, Lookahead
-from minilade import compiled
+from minilade import Auto, Autoregressive, Lookahead, compiled
 from minilade.compiled import choose_steps, chunked_attention, compile_steps, graph_layout
 from minilade.config import ModelConfig
 from minilade.device import check_invariance, make_exact
