@@ -21,7 +21,9 @@ produced, per step that ran it.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -37,7 +39,7 @@ from ..drafts.sources import (
     text_sources,
 )
 from ..drafts.suffix import SuffixIndex
-from ..drafts.tree import Calibration, DraftPath, DraftTree
+from ..drafts.tree import Calibration, DraftPath, DraftTree, Key
 from ..masks import CandidateTree, StepShape
 from ..verify import Verdict
 from .base import DecodeContext, Decoder, Step, StepKind, Strategy, option, whole_number
@@ -49,6 +51,16 @@ COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # step sizes m
 PRIORS = {"suffix": 0.5, "history": 0.3, "pool": 0.2, "window": 0.15, "recycle": 0.15}
 PROMPT_REPLAY = 384  # prompt positions replayed to seed the calibration
 RECYCLE_WIDTHS = (None, 2, 1, 1)  # children per node at each depth of the recycled tree (None: all k)
+
+
+class SharedPasses(Protocol):
+    """The forward passes a generation shares with others (a server's engine): what they feed, and what it will."""
+
+    def others(self) -> tuple[int, float]:
+        """(rows, tokens they are expected to emit) the other generations feed to a pass."""
+
+    def plan(self, rows: int, expected: float) -> None:
+        """This generation's next step feeds `rows` rows and is expected to emit `expected` tokens."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,8 @@ class Auto(WindowAndPool, Strategy):
     costs: step costs to use instead of measuring (benchmarks and tests).
     history: earlier answers to draft from as well (suffix_draft tokens, suffix_branches drafts); each generation
     adds its own new tokens to it when it ends, unless it is frozen. Shared by every generation given it.
+    shared: the passes this generation shares with others, if any: its steps are then sized for the whole pass
+    (best_plan's `others`). Only speed depends on it: a greedy answer is the same whatever the plans.
     """
 
     suffix_draft: int = field(default=16, metadata=option(
@@ -78,6 +92,7 @@ class Auto(WindowAndPool, Strategy):
     cost_file: str | None = None
     costs: StepCosts | None = field(default=None, compare=False, repr=False)
     history: DraftHistory | None = field(default=None, compare=False, repr=False)
+    shared: SharedPasses | None = field(default=None, compare=False, repr=False)
     name = "auto"
 
     def __post_init__(self) -> None:
@@ -118,21 +133,27 @@ class Auto(WindowAndPool, Strategy):
 
 
 def best_plan(chances: list[float], costs: StepCosts, budget: int, window_rows: int | None = None,
-              window_gain: float = 0.0) -> tuple[bool, int, float]:
+              window_gain: float = 0.0, others: tuple[int, float] = (0, 0.0)) -> tuple[bool, int, float]:
     """(with the window, b, expected tokens): feed x and the first b nodes of `chances` (ranked, ancestors first),
     and the window of window_rows rows (x included) too if that pays, so that expected tokens per second, under
     `costs`, are highest and no step feeds more than `budget` rows. b = 0 without the window is a plain step.
-    The expected tokens of a step are 1 + the chances fed (+ window_gain with the window)."""
+    The expected tokens of a step are 1 + the chances fed (+ window_gain with the window).
+
+    others: (rows, useful tokens) that other generations feed to the same forward pass (a server's shared step;
+    (0, 0) alone). The step's cost is then that of all its rows and its worth all their tokens, so a draft row
+    pays only if it adds more to the pass's tokens per second than it slows every generation in it."""
+    other_rows, other_tokens = others
     expected = [1.0]
     for c in chances:
         expected.append(expected[-1] + c)
-    best, score = (False, 0, 1.0), 1.0 / costs(1)
+    best, score = (False, 0, 1.0), (other_tokens + 1.0) / costs(other_rows + 1)
     bases = [(False, 1)] + ([(True, window_rows)] if window_rows is not None else [])
     for with_window, base in bases:
         for b in range(min(len(chances), budget - base) + 1):
             gain = expected[b] + (window_gain if with_window else 0.0)
-            if gain / costs(base + b) > score:
-                best, score = (with_window, b, gain), gain / costs(base + b)
+            rate = (other_tokens + gain) / costs(other_rows + base + b)
+            if rate > score:
+                best, score = (with_window, b, gain), rate
     return best
 
 
@@ -142,6 +163,7 @@ class Plan:
     nodes: list[int]   # the draft tree's nodes to feed, ancestors first
     rows: int          # fed to the model
     expected: float    # tokens the step is expected to emit
+    keys: list[Key] = field(default_factory=list)  # the nodes' calibration keys: (source, bucket)
 
 
 def draft_sources(settings: Auto, pool, suffix: SuffixIndex, ctx: DecodeContext) -> list[DraftSource]:
@@ -167,6 +189,7 @@ class AutoDecoder(Decoder):
         super().__init__(ctx)
         self.layout = layout = settings.layout
         self.budget, self.history, self.prompt_length = settings.budget, settings.history, len(ctx.tokens)
+        self.shared = settings.shared
         self.window = JacobiWindow(layout, ctx.tokens, settings.seed)
         self.pool = text_pool(layout.ngram, settings.pool_capacity or max(layout.guesses, 1), ctx.tokens,
                               settings.pool_from_prompt)
@@ -196,18 +219,16 @@ class AutoDecoder(Decoder):
     def step(self) -> Step:
         ctx = self.ctx
         room = ctx.limit - 1 - ctx.cache.length  # the longest draft whose positions stay inside the context
-        if room < 1:
-            return self.single_step()
-        self.pool.add_text(ctx.tokens)
-        paths = [path for source in self.sources for path in source.paths(ctx.tokens, room)]
-        tree = DraftTree.merge(paths, self.calibration, max_depth=room)
-        plan = self.choose(tree)
-        self.window_credit *= self.DECAY
-        self.window_steps *= self.DECAY
+        plan, tree = Plan(False, [], 1, 1.0), None
+        if room >= 1:
+            self.pool.add_text(ctx.tokens)
+            paths = [path for source in self.sources for path in source.paths(ctx.tokens, room)]
+            tree = DraftTree.merge(paths, self.calibration, max_depth=room)
+            plan = self.choose(tree)
+        if self.shared is not None:
+            self.shared.plan(plan.rows, plan.expected)
         if not plan.nodes and not plan.with_window:
-            self.since_verify += 1
             return self.single_step()
-        self.since_verify = 0
         return self.drafted_step(plan, tree.paths(plan.nodes))
 
     def drafted_step(self, plan: Plan, paths: list[DraftPath]) -> Step:
@@ -223,7 +244,11 @@ class AutoDecoder(Decoder):
                 self.pool.add(ngram[0], ngram[1:], from_window=True)
         self.learn(plan, paths, verdict)
         kind = StepKind(window=plan.with_window, paths=tree.n_paths, depth=tree.path_length)
-        return Step(emitted, kind, shape.n_base + tree.size, verdict)
+        fed = Counter(key[0] for key in plan.keys)
+        fed["window"] += shape.n_base - 1
+        n_extra = len(emitted) - 1
+        accepted = Counter(key[0] for key in paths[verdict.winner].keys[:n_extra]) if n_extra else Counter()
+        return Step(emitted, kind, shape.n_base + tree.size, verdict, +fed, accepted)
 
     def observe(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
         for source in self.sources:
@@ -234,15 +259,25 @@ class AutoDecoder(Decoder):
             self.history.add(self.ctx.tokens[self.prompt_length:self.prompt_length + handed_out])
 
     def choose(self, tree: DraftTree) -> Plan:
-        """The plan with the most expected tokens per second: b nodes, with or without the window."""
+        """The plan with the most expected tokens per second (of the whole pass, when it is shared): b nodes, with
+        or without the window; after EXPLORE_EVERY plain steps in a row, a probe of the most likely node."""
         ranked = tree.ranked()
         window_rows = self.window_shape.n_base if window_fits(self.ctx, self.layout) else None
         window_gain = self.window_credit / self.window_steps
+        others = self.shared.others() if self.shared is not None else (0, 0.0)
         with_window, b, expected = best_plan([tree.chance[i] for i in ranked], self.costs, self.budget, window_rows,
-                                             window_gain)
-        if not b and not with_window and ranked and self.since_verify >= self.EXPLORE_EVERY:
-            return Plan(False, ranked[:1], 2, 1.0 + tree.chance[ranked[0]])  # a probe keeps the estimates alive
-        return Plan(with_window, ranked[:b], (window_rows if with_window else 1) + b, expected)
+                                             window_gain, others)
+        self.window_credit *= self.DECAY
+        self.window_steps *= self.DECAY
+        if b or with_window:
+            self.since_verify = 0
+            return Plan(with_window, ranked[:b], (window_rows if with_window else 1) + b, expected,
+                        [tree.key[i] for i in ranked[:b]])
+        if ranked and self.since_verify >= self.EXPLORE_EVERY:
+            self.since_verify = 0
+            return Plan(False, ranked[:1], 2, 1.0 + tree.chance[ranked[0]], [tree.key[ranked[0]]])  # a probe
+        self.since_verify += 1
+        return Plan(False, [], 1, 1.0)
 
     def learn(self, plan: Plan, paths: list[DraftPath], verdict: Verdict) -> None:
         self.calibration.learn(paths, verdict.matches)

@@ -9,7 +9,8 @@ statistics -- and is written once for all strategies; it learns about a step onl
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -82,12 +83,16 @@ class Step:
     tokens: the tokens it emits (at least one), already appended to the context's tokens.
     kind: its shape, counted in the statistics. fed: rows put through the model.
     detail: whatever else the decoder wants to keep about it (for lookahead, the Verdict); the loop ignores it.
+    drafts_fed: rows fed beyond x, by the source that proposed them ("window" for the lookahead window's rows);
+    drafts_accepted: tokens emitted beyond the one every step gives, by source.
     """
 
     tokens: list[int]
     kind: StepKind
     fed: int
     detail: Any = None
+    drafts_fed: Counter = field(default_factory=Counter)
+    drafts_accepted: Counter = field(default_factory=Counter)
 
 
 class Decoder(ABC):

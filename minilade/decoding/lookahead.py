@@ -14,6 +14,7 @@ step emits the accepted tokens plus the model's next token: at least one token, 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -122,7 +123,8 @@ class LookaheadDecoder(Decoder):
         for ngram in self.window.advance(new_level):
             self.pool.add(ngram[0], ngram[1:], from_window=True)
         kind = StepKind(window=True, paths=tree.n_paths, depth=tree.path_length)
-        return Step(emitted, kind, self.shape.n_base + tree.size, verdict)
+        fed = Counter(window=self.shape.n_base - 1, pool=tree.size)
+        return Step(emitted, kind, self.shape.n_base + tree.size, verdict, fed, Counter(pool=len(emitted) - 1))
 
 
 def window_fits(ctx: DecodeContext, layout: LookaheadLayout) -> bool:

@@ -21,6 +21,8 @@ class GenerationStats:
     tokens_per_step: Counter = field(default_factory=Counter)  # tokens emitted by a step -> number of such steps
     step_kinds: Counter = field(default_factory=Counter)  # StepKind -> steps of that kind
     tokens_fed: int = 0  # tokens put through the model by the decoding steps (prefill excluded)
+    drafts_fed: Counter = field(default_factory=Counter)  # source -> rows fed beyond x (Step.drafts_fed)
+    drafts_accepted: Counter = field(default_factory=Counter)  # source -> tokens beyond one per step
 
     @property
     def forward_passes(self) -> int:
@@ -52,6 +54,8 @@ class GenerationStats:
         self.tokens_per_step[len(step.tokens)] += 1
         self.step_kinds[step.kind] += 1
         self.tokens_fed += step.fed
+        self.drafts_fed.update(step.drafts_fed)
+        self.drafts_accepted.update(step.drafts_accepted)
 
     def summary(self) -> str:
         hist = " ".join(f"{k}:{v}" for k, v in sorted(self.tokens_per_step.items()))
@@ -66,6 +70,7 @@ class GenerationStats:
         d = {f.name: getattr(self, f.name) for f in fields(self)}  # asdict would turn StepKind keys into dicts
         d["tokens_per_step"] = {int(k): v for k, v in sorted(self.tokens_per_step.items())}
         d["step_kinds"] = {str(k): v for k, v in self.step_kinds.most_common()}
+        d["drafts_fed"], d["drafts_accepted"] = dict(self.drafts_fed), dict(self.drafts_accepted)
         d.update(forward_passes=self.forward_passes, compression=self.compression, tokens_per_s=self.tokens_per_s,
                  step_ms=self.step_ms, tokens_fed_per_step=self.tokens_fed_per_step)
         return d

@@ -9,8 +9,8 @@ import torch
 
 import minilade.decoding.step_costs as step_costs
 import minilade.memo as memo
-from minilade.decoding import Autoregressive
-from minilade.decoding.auto import Auto, best_plan
+from minilade.decoding import Autoregressive, Lookahead
+from minilade.decoding.auto import PRIORS, Auto, best_plan
 from minilade.decoding.base import StepKind
 from minilade.decoding.step_costs import StepCosts, step_costs_for
 from minilade.device import make_exact
@@ -282,3 +282,52 @@ def test_greedy_with_recycled_drafts_equals_autoregressive(model_seed: int) -> N
     runs = checked_runs(model, 300 + model_seed, strategies, max_new_tokens=40)
     recycled_only = [run for s, run in runs if not s.suffix_draft]
     assert any(run.stats.forward_passes < run.stats.new_tokens for run in recycled_only)
+
+
+def test_best_plan_for_a_shared_pass_weighs_every_row_in_it() -> None:
+    """Other generations' rows make the pass dearer and their tokens are its worth too: fewer drafts pay, down to
+    none; where rows are free, a crowd changes nothing."""
+    chances = [0.9, 0.8, 0.5, 0.1, 0.01]
+    costs = costs_of(lambda T: 1.0 + 0.2 * T)
+    assert best_plan(chances, costs, budget=64, others=(0, 0.0))[:2] == (False, 3)  # as alone
+    assert best_plan(chances, costs, budget=64, others=(7, 7.0))[:2] == (False, 2)
+    assert best_plan(chances, costs, budget=64, others=(60, 60.0))[:2] == (False, 0)
+    assert best_plan(chances, costs_of(lambda T: 1.0), budget=64, others=(60, 60.0))[:2] == (False, 5)
+
+
+class Crowd:
+    """Passes shared with `others` (rows, tokens) fed by other generations; keeps the rows each plan told."""
+
+    def __init__(self, others: tuple[int, float]) -> None:
+        self.fed, self.plans = others, []
+
+    def others(self) -> tuple[int, float]:
+        return self.fed
+
+    def plan(self, rows: int, expected: float) -> None:
+        self.plans.append(rows)
+
+
+def test_auto_in_a_crowded_pass_feeds_fewer_rows_tells_each_plan_and_stays_exact() -> None:
+    model = tiny_model(vocab=12, seed=1)
+    prompt = [1, 2, 3, 4] * 6
+    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=48)
+    costs = costs_of(lambda T: 1.0 + 0.2 * T)
+    alone_tokens, alone = run_tokens(model, prompt, Auto(2, 3, 2, costs=costs), max_new_tokens=48)
+    crowd = Crowd((600, 600.0))
+    got, run = run_tokens(model, prompt, Auto(2, 3, 2, costs=costs, shared=crowd), max_new_tokens=48)
+    assert got == alone_tokens == expected
+    assert len(crowd.plans) == run.stats.steps and sum(crowd.plans) == run.stats.tokens_fed
+    assert run.stats.tokens_fed < alone.stats.tokens_fed
+
+
+@pytest.mark.parametrize("strategy", [Auto(2, 3, 2, costs=costs_of(lambda T: 1.0)), Lookahead(2, 3, 2)],
+                         ids=["auto", "lookahead"])
+def test_steps_count_drafts_fed_and_accepted_by_source(strategy) -> None:
+    model = tiny_model(vocab=12, seed=1)
+    _, run = run_tokens(model, [1, 2, 3, 4] * 6, strategy, max_new_tokens=48)
+    stats = run.stats
+    assert sum(stats.drafts_fed.values()) == stats.tokens_fed - stats.steps
+    accepted = sum((n - 1) * steps for n, steps in stats.tokens_per_step.items())
+    assert sum(stats.drafts_accepted.values()) == accepted > 0
+    assert {s for s, n in stats.drafts_accepted.items() if n} <= set(stats.drafts_fed) <= set(PRIORS)
