@@ -225,5 +225,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def console(argv: Sequence[str] | None = None) -> int:
+    """The `minilade` command: `minilade serve [options]` is python -m minilade.serve, anything else
+    python -m minilade.generate (`minilade -- serve` generates from the prompt "serve")."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] != ["serve"]:
+        return main(argv)
+    try:
+        from .serve.__main__ import main as serve
+    except ImportError as e:
+        print(f"error: the server needs the serve extra (pip install 'minilade[serve]'): {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return serve(argv[1:])
+
+
 if __name__ == "__main__":
     sys.exit(main())

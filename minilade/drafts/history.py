@@ -15,6 +15,7 @@ rebuilt), so at most max_key * capacity keys holding `keep` positions each. `fro
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import deque
 from typing import Sequence
 
@@ -30,6 +31,7 @@ class DraftHistory:
             raise ValueError(f"history capacity must be a whole number of tokens >= 1, got {capacity!r}")
         self.capacity, self.max_key, self.keep = capacity, max_key, keep
         self.frozen = False
+        self._lock = threading.Lock()  # generations in several threads (a server's) may share one history
         self._answers: deque[list[int]] = deque()
         self._held = 0
         self._rebuild()
@@ -43,24 +45,26 @@ class DraftHistory:
         answer = list(tokens)[-self.capacity:]
         if self.frozen or not answer:
             return
-        self._answers.append(answer)
-        self._held += len(answer)
-        if self._held > self.capacity:  # drop to 3/4 of capacity, so that rebuilding costs O(1) a token amortised
-            while self._held > self.capacity * 3 // 4 and len(self._answers) > 1:
-                self._held -= len(self._answers.popleft())
-            self._rebuild()
-        else:
-            self._tokens += answer + [SEPARATOR]
-            self._index.update(self._tokens)
+        with self._lock:
+            self._answers.append(answer)
+            self._held += len(answer)
+            if self._held > self.capacity:  # drop to 3/4 of capacity, so rebuilding costs O(1) a token amortised
+                while self._held > self.capacity * 3 // 4 and len(self._answers) > 1:
+                    self._held -= len(self._answers.popleft())
+                self._rebuild()
+            else:
+                self._tokens += answer + [SEPARATOR]
+                self._index.update(self._tokens)
 
     def drafts(self, text: Sequence[int], length: int, branches: int = 1) -> list[SuffixDraft]:
         """Up to `branches` distinct drafts of at most `length` tokens for what follows `text`: the continuations,
         within their answer, of the latest occurrences of the text's longest ending found (then shorter ones)."""
         if length < 1 or branches < 1:
             return []
-        tokens = self._tokens
-        return self._index.drafts_for(text, branches, lambda end: tuple(itertools.takewhile(
-            lambda t: t != SEPARATOR, tokens[end + 1:end + 1 + length])))
+        with self._lock:
+            tokens = self._tokens
+            return self._index.drafts_for(text, branches, lambda end: tuple(itertools.takewhile(
+                lambda t: t != SEPARATOR, tokens[end + 1:end + 1 + length])))
 
     def _rebuild(self) -> None:
         self._tokens = [t for answer in self._answers for t in answer + [SEPARATOR]]

@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..drafts.history import DraftHistory
 from ..llm import Generation
 from .engine import Engine, Job
 from .errors import APIError, invalid, unavailable
@@ -43,12 +44,24 @@ class Limits:
     prompt_cache_bytes: int = 512 << 20  # finished requests' K/V kept for prompts that begin with them
 
 
+@dataclass
+class Planning:
+    """together: greedy auto requests size their steps for the whole shared pass (planner.py), not alone.
+    history_tokens: greedy auto requests also draft from earlier answers, kept up to this many tokens (0: off).
+    Neither changes an answer, only its speed."""
+
+    together: bool = True
+    history_tokens: int = 0
+
+
 class Service:
     """The server's state: loading, then serving through one engine; stopped once at shutdown."""
 
     def __init__(self, load: Callable[[], Served], model_id: str, *, api_key: str | None = None,
-                 limits: Limits = Limits(), on_fatal: Callable[[], None] = lambda: None) -> None:
+                 limits: Limits = Limits(), planning: Planning = Planning(),
+                 on_fatal: Callable[[], None] = lambda: None) -> None:
         self.load, self.model_id, self.api_key, self.limits, self.on_fatal = load, model_id, api_key, limits, on_fatal
+        self.planning = planning
         self.metrics = Metrics()
         self.served: Served | None = None
         self.engine: Engine | None = None
@@ -62,8 +75,10 @@ class Service:
         try:
             served = self.load()
             prefixes = PrefixCache(self.limits.prompt_cache_bytes)
+            history = DraftHistory(self.planning.history_tokens) if self.planning.history_tokens else None
             engine = Engine(served.llm, max_concurrent=self.limits.max_concurrent, queue_size=self.limits.queue,
-                            metrics=self.metrics, prefixes=prefixes)
+                            metrics=self.metrics, prefixes=prefixes, plan_together=self.planning.together,
+                            history=history)
             engine.start()
             self.served, self.engine = served, engine
             log.warning("minilade.serve: ready, serving %s", self.model_id)

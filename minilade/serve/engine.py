@@ -16,6 +16,7 @@ rows kept for a prefix it shares with a finished request and runs in chunks (pre
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -24,12 +25,15 @@ from typing import Callable
 import torch
 
 from ..decoding import GenerationSettings
+from ..decoding.auto import Auto
+from ..drafts.history import DraftHistory
 from ..kv_cache import KVCache
 from ..llm import LLM, TextStream
 from ..model import Transformer
 from .batched import ForwardCall, PreparedCall, batched_forward, prepare_call
 from .errors import busy, unavailable
 from .metrics import Metrics
+from .planner import PassMember, PassPlans
 from .prefill import Hit, PrefixCache, is_prefill, prefill_calls, splits_exactly
 
 log = logging.getLogger("minilade.serve")
@@ -70,6 +74,7 @@ class Slot:
     """A running request: its job, its worker thread and the forward call it is blocked in (None while it works)."""
 
     job: Job
+    member: PassMember  # its part in the planning of the shared passes
     thread: threading.Thread | None = None
     call: PendingCall | None = None
     hit: Hit | None = None  # kept rows its prefill starts from
@@ -109,9 +114,13 @@ class Engine:
     """Runs the generations of up to max_concurrent requests together; up to queue_size more wait their turn."""
 
     def __init__(self, llm: LLM, *, max_concurrent: int = 8, queue_size: int = 32,
-                 metrics: Metrics | None = None, prefixes: PrefixCache | None = None) -> None:
-        """prefixes: where finished requests' K/V are kept for the prompts that begin with them (None: nowhere)."""
+                 metrics: Metrics | None = None, prefixes: PrefixCache | None = None, plan_together: bool = True,
+                 history: DraftHistory | None = None) -> None:
+        """prefixes: where finished requests' K/V are kept for the prompts that begin with them (None: nowhere).
+        plan_together: greedy auto generations size their steps for the whole pass (planner.py), not alone.
+        history: earlier answers that greedy auto generations draft from, and add theirs to (None: none shared)."""
         self.llm, self.max_concurrent, self.queue_size, self.prefixes = llm, max_concurrent, queue_size, prefixes
+        self.plan_together, self.history, self.plans = plan_together, history, PassPlans()
         self.split_prefills = splits_exactly(llm.model)  # from kept rows and in chunks (prefill.py)
         self.metrics = metrics or Metrics()
         self.metrics.gauges.update(minilade_requests_running=lambda: len(self._running),
@@ -182,7 +191,7 @@ class Engine:
             if self.prefixes is not None and self.split_prefills:
                 slot.hit = self.prefixes.find(job.prompt_ids)
             view = LLM(ModelProxy(self, slot), self.llm.tokenizer, self.llm.name, self.llm.generation_defaults)
-            stream = TextStream(view, job.prompt_ids, job.settings)
+            stream = TextStream(view, job.prompt_ids, self.pass_settings(job.settings, slot.member))
             for piece in stream:
                 job.deliver("piece", piece)
             self.metrics.generation(stream.result.stats, cached_tokens=job.cached_tokens)
@@ -198,9 +207,21 @@ class Engine:
                 log.exception("generation failed")
             job.deliver("error", error)
         finally:
+            slot.member.leave()
             with self._cond:
                 self._running.remove(slot)
                 self._cond.notify_all()
+
+    def pass_settings(self, settings: GenerationSettings, member: PassMember) -> GenerationSettings:
+        """A greedy auto generation plans its steps for the whole pass and drafts from the shared history, where
+        the engine has them; any other generation keeps the settings it has alone, because a sampled answer depends
+        on its plans and drafts (verification draws more or fewer numbers) and a greedy one does not."""
+        strategy = settings.strategy
+        if not isinstance(strategy, Auto) or not settings.sampling.greedy:
+            return settings
+        shared = member if self.plan_together else None
+        history = strategy.history if self.history is None else self.history
+        return dataclasses.replace(settings, strategy=dataclasses.replace(strategy, shared=shared, history=history))
 
     # ---- engine side ------------------------------------------------------------------------------------------
 
@@ -217,7 +238,7 @@ class Engine:
                 calls = [slot.call for slot in slots]
                 for slot in slots:
                     slot.call = None
-            self._step([slot.job for slot in slots], calls)
+            self._step(slots, calls)
 
     def _ready(self) -> bool:
         """Something to do: every running worker waits in a forward call, or a queued job can be admitted, or the
@@ -230,25 +251,27 @@ class Engine:
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_concurrent and not self._stopping:
-            slot = Slot(self._waiting.popleft())
+            slot = Slot(self._waiting.popleft(), PassMember(self.plans))
             slot.thread = threading.Thread(target=self._work, args=(slot,), name="minilade-request", daemon=True)
             self._running.append(slot)
             slot.thread.start()
 
-    def _step(self, jobs: list[Job], calls: list[PendingCall]) -> None:
+    def _step(self, slots: list[Slot], calls: list[PendingCall]) -> None:
         """One shared forward pass over the calls of every running request; a call that cannot run (its request
         was cancelled, or its input is invalid) gets its error instead, without touching the others."""
         model = self.llm.model
         with torch.inference_mode():
             ready = []
-            for job, call in zip(jobs, calls):
-                if job.cancelled:
+            for slot, call in zip(slots, calls):
+                if slot.job.cancelled:
                     call.answer(error=Cancelled())
                     continue
                 try:
                     ready.append((call, prepare_call(model, call.forward)))
                 except ValueError as error:
                     call.answer(error=error)
+                    continue
+                slot.member.fed(ready[-1][1].T)
             if not ready:
                 return
             try:

@@ -22,8 +22,10 @@ METRICS = {
     "minilade_forward_passes_total": ("counter", "Forward passes the engine ran (each shared by its requests)"),
     "minilade_rows_fed_total": ("counter", "Rows (tokens) put through the model by the engine's passes"),
     "minilade_pass_requests_total": ("counter", "Requests served by the engine's passes, summed over passes"),
-    "minilade_drafts_fed_total": ("counter", "Draft rows fed (rows beyond one per decoding step), by strategy"),
-    "minilade_drafts_accepted_total": ("counter", "Draft tokens accepted (tokens beyond one per step), by strategy"),
+    "minilade_drafts_fed_total": ("counter", "Draft rows fed (rows beyond one per decoding step), by strategy and "
+                                             "the source that proposed them (window: the lookahead window's rows)"),
+    "minilade_drafts_accepted_total": ("counter", "Draft tokens accepted (tokens beyond one per step), by strategy "
+                                                  "and source"),
 }
 
 
@@ -47,9 +49,10 @@ class Metrics:
         self.add("minilade_prompt_tokens_total", stats.prompt_tokens)
         self.add("minilade_prompt_tokens_cached_total", cached_tokens)
         self.add("minilade_generated_tokens_total", stats.new_tokens)
-        self.add("minilade_drafts_fed_total", stats.tokens_fed - stats.steps, strategy=stats.strategy)
-        self.add("minilade_drafts_accepted_total", max(0, stats.new_tokens - stats.forward_passes),
-                 strategy=stats.strategy)
+        for name, counts in (("minilade_drafts_fed_total", stats.drafts_fed),
+                             ("minilade_drafts_accepted_total", stats.drafts_accepted)):
+            for source, n in counts.items():
+                self.add(name, n, strategy=stats.strategy, source=source)
 
     def render(self) -> str:
         """Every metric in Prometheus' text exposition format."""

@@ -44,7 +44,7 @@ def test_chat_completion_carries_usage_and_step_statistics(client, model_id):
     assert choice.finish_reason in ("stop", "length")
     assert 1 <= out.usage.completion_tokens <= 12 and out.usage.prompt_tokens > 3
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
-    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 <= out.usage.prompt_tokens_details.cached_tokens < out.usage.prompt_tokens
     stats = out.model_extra["minilade"]
     assert stats["forward_passes"] >= 1 and stats["tokens_per_pass"] > 0 and stats["strategy"] == "auto"
 

@@ -13,9 +13,13 @@ import httpx
 import pytest
 
 from minilade import LLM
+from minilade.cli import console
 from minilade.decoding import GenerationSettings, make_strategy
+from minilade.drafts.history import DraftHistory
+from minilade.sampling import SamplingParams
 from minilade.serve.engine import Engine, Job
 from minilade.serve.errors import APIError
+from minilade.serve.planner import PassMember, PassPlans
 from tests.helpers import FLAT_COSTS
 
 from .helpers import CONTEXT, free_port, start_server
@@ -111,3 +115,56 @@ def test_a_checkpoint_that_does_not_load_ends_the_server_with_one_line(tmp_path)
                            "--port", str(free_port())], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in done.stderr
+
+
+def test_greedy_auto_plans_for_the_pass_and_a_sampled_request_keeps_its_own_plans(llm):
+    history = DraftHistory()
+    engine = Engine(llm, history=history)
+    member = PassMember(engine.plans)
+    greedy = GenerationSettings(make_strategy("auto", costs=FLAT_COSTS))
+    strategy = engine.pass_settings(greedy, member).strategy
+    assert strategy.shared is member and strategy.history is history
+    sampled = GenerationSettings(make_strategy("auto", costs=FLAT_COSTS), SamplingParams(temperature=0.8, seed=1))
+    plain = GenerationSettings(make_strategy("autoregressive"))
+    assert engine.pass_settings(sampled, member) is sampled and engine.pass_settings(plain, member) is plain
+    assert Engine(llm, plan_together=False).pass_settings(greedy, member).strategy.shared is None
+
+
+def test_pass_plans_sum_what_the_others_feed():
+    plans = PassPlans()
+    a, b, c = PassMember(plans), PassMember(plans), PassMember(plans)
+    a.fed(128)  # a prefill chunk (or any call of a generation that does not plan): its rows, each a token of work
+    b.plan(6, 2.5)
+    b.fed(6)  # b plans its own steps: what the engine ran does not replace what b expects of them
+    assert c.others() == (134, 130.5) and a.others() == (6, 2.5) and b.others() == (128, 128)
+    a.leave()
+    assert c.others() == (6, 2.5)
+
+
+def test_a_shared_history_and_pass_planning_leave_greedy_answers_alone(llm):
+    """Two rounds of three greedy auto requests with a history shared across them (the second round drafts from
+    the first's answers): every answer is the autoregressive one."""
+    history = DraftHistory()
+    engine = Engine(llm, max_concurrent=4, queue_size=4, history=history)
+    engine.start()
+    prompts = [[5, 6, 7, 8] * 3, [5, 6, 7, 8] * 3 + [9], [9, 10, 11] * 4]
+    answered = 0
+    for _ in range(2):
+        jobs = [job(p, "auto") for p in prompts]
+        for j, _ in jobs:
+            engine.submit(j)
+        for prompt, (_, events) in zip(prompts, jobs):
+            kind, generation = outcome(events)
+            assert kind == "done"
+            assert generation.token_ids == llm.generate(prompt, max_new_tokens=24,
+                                                        strategy="autoregressive").token_ids
+            answered += len(generation.token_ids)
+        assert len(history) == answered > 0  # every answer kept, for the next round to draft from
+    engine.stop()
+
+
+def test_the_minilade_command_serves(capsys):
+    """`minilade serve ...` is the server's command line (here refusing a bad option before loading anything)."""
+    with pytest.raises(SystemExit) as caught:
+        console(["serve", "--max-concurrent", "0"])
+    assert caught.value.code == 2 and "--max-concurrent must be >= 1" in capsys.readouterr().err
