@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import secrets
 import time
@@ -57,7 +58,9 @@ class StepCosts:
 
     def __init__(self, seconds: dict[int, float]) -> None:
         self.sizes = sorted(seconds)
-        self.seconds = [seconds[T] for T in self.sizes]
+        # A step never costs less than a smaller one: a measured dip (noise on a shared machine, or a kernel's
+        # padding) is lifted to the cost below it, so that a plan never takes extra rows for a saving.
+        self.seconds = list(itertools.accumulate((seconds[T] for T in self.sizes), max))
         self._memo: dict[int, float] = {}
 
     def __call__(self, tokens: int) -> float:

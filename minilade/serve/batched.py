@@ -77,8 +77,12 @@ def batched_forward(model: Transformer, calls: list[PreparedCall]) -> list[torch
     """Logits of each call, (1, R_i, V) in the model dtype, computed in one pass over all their rows.
 
     Each call's K/V are written into its own cache at [length, length + T_i); no cache length changes (the
-    call's decoder commits or compacts afterwards, as after Transformer.forward).
+    call's decoder commits or compacts afterwards, as after Transformer.forward). A call alone in the pass runs
+    through Transformer.forward itself (compiled steps included, when the model has them).
     """
+    if len(calls) == 1:
+        call = calls[0].call
+        return [model(call.tokens, call.input_pos, call.cache, call.mask, call.logits_rows)]
     sizes = [p.T for p in calls]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     tokens = torch.cat([p.call.tokens for p in calls], dim=1)  # (1, sum T)

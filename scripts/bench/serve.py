@@ -1,14 +1,18 @@
 """The server under concurrent load: aggregate tokens/s and latencies at 1, 2, 4, 8 clients, side by side.
 
-For each mode a `python -m minilade.serve` process is started on a free loopback port and loaded once:
+Each mode is a `python -m minilade.serve` process on a free loopback port, all started, loaded and warmed up
+with one short request first (an idle server takes no CPU), then run level by level, the modes in turn at each
+level (their order rotating), so that slow and fast spells of a shared machine fall on every mode alike:
 - one-at-a-time: --max-concurrent 1 (each request runs alone, as the library runs it; the others queue);
 - batched-plain: every request's generation shares each forward pass, plain decoding (strategy autoregressive);
-- batched-auto: the same with auto, each request's steps shaped by its own drafts and the measured step costs.
+- batched-auto: the same with auto, greedy requests sizing their drafts for the whole pass (the default);
+- batched-auto-alone: auto with --plan alone, each request sizing its drafts as if it ran alone.
+At one client, `library` is the same prompts through LLM.generate with auto in this process (what the CLI does).
 Each client streams its prompts one after another (chat prompts from MT-Bench or GSM8K, code from HumanEval,
 greedy, --max-tokens new tokens); every level of concurrency takes the next prompts of the set. Reported per mode
 and concurrency: aggregate completion tokens/s (all clients' tokens over the level's wall time), time to first
 token and inter-chunk latency (p50/p99; a chunk carries one token or, after an accepted draft, several), rows per
-forward pass and requests per pass (from /metrics), the step kinds the requests took, and the server's peak
+forward pass and requests per pass (from /metrics), drafts fed and accepted by source, and the server's peak
 resident memory. Every answer is compared with one-at-a-time's answer to the same prompt (identical counts).
 
     python -m scripts.bench.serve --data ../shared/data --set mt_bench --clients 1 2 4 8 --max-tokens 128
@@ -18,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -33,7 +39,8 @@ from .plots import import_figure
 SETS = {"mt_bench": ("mt_bench.jsonl", lambda r: r["turns"][0], True),
         "gsm8k": ("gsm8k_test.jsonl", lambda r: r["question"], True),
         "humaneval": ("humaneval.jsonl", lambda r: r["prompt"], False)}
-MODES = {"one-at-a-time": ("auto", 1), "batched-plain": ("autoregressive", None), "batched-auto": ("auto", None)}
+MODES = {"one-at-a-time": ("auto", 1, ()), "batched-plain": ("autoregressive", None, ()),
+         "batched-auto": ("auto", None, ()), "batched-auto-alone": ("auto", None, ("--plan", "alone"))}
 START_S = 600
 
 
@@ -47,6 +54,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--ckpt", default=None, help="checkpoint (default: the demo model)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantize", default="auto", help="as the server's --quantize")
+    p.add_argument("--no-library", action="store_true", help="skip the library's auto at one client")
     p.add_argument("--chat-turns", type=int, default=5,
                    help="then one conversation of this many turns (MT-Bench questions, one per turn) with and without "
                         "prompt-prefix reuse, timing each turn's first token (0: skip)")
@@ -75,9 +84,12 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         command = [sys.executable, "-m", "minilade.serve", "--port", str(self.port), "--strategy", strategy,
-                   "--max-concurrent", str(max_concurrent), "--queue", "64", "--dtype", args.dtype, *extra]
+                   "--max-concurrent", str(max_concurrent), "--queue", "64", "--dtype", args.dtype,
+                   "--quantize", args.quantize, *extra]
         self.process = subprocess.Popen(command + (["--ckpt", args.ckpt] if args.ckpt else []))
         self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self) -> None:
         deadline = time.monotonic() + START_S
         while time.monotonic() < deadline and self.process.poll() is None:
             try:
@@ -90,10 +102,15 @@ class Server:
         raise SystemExit("error: the server did not start")
 
     def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics by name, its labelled samples summed; drafts also by source ("name:source")."""
         values: Counter = Counter()
         for line in httpx.get(f"{self.url}/metrics").text.splitlines():
             if line and not line.startswith("#"):
-                values[line.split("{")[0].split()[0]] += float(line.split()[-1])
+                name, value = line.split("{")[0].split()[0], float(line.split()[-1])
+                values[name] += value
+                source = re.search(r'source="([^"]*)"', line)
+                if name.startswith("minilade_drafts") and source:
+                    values[f"{name}:{source.group(1)}"] += value
         return dict(values)
 
     def peak_memory_mib(self) -> float | None:
@@ -161,20 +178,40 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarise(answers: list[dict], seconds: float, before: dict, after: dict) -> dict:
-    passes = after.get("minilade_forward_passes_total", 0) - before.get("minilade_forward_passes_total", 0)
-    rows = after.get("minilade_rows_fed_total", 0) - before.get("minilade_rows_fed_total", 0)
-    served = after.get("minilade_pass_requests_total", 0) - before.get("minilade_pass_requests_total", 0)
+    def delta(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+    passes, rows, served = (delta(f"minilade_{n}_total") for n in ("forward_passes", "rows_fed", "pass_requests"))
     gaps = [g for a in answers for g in a["gaps"]]
     kinds = Counter()
     for a in answers:
         kinds.update(a["step_kinds"])
+    drafts = {f"{kind} {name.split(':')[1]}": delta(name) for name in after
+              for kind in ("fed", "accepted") if name.startswith(f"minilade_drafts_{kind}_total:")}
     return {"tokens": sum(a["tokens"] for a in answers), "seconds": seconds,
             "tokens_per_s": sum(a["tokens"] for a in answers) / seconds,
             "ttft_p50": percentile([a["ttft"] for a in answers if a["ttft"] is not None], 0.5),
             "ttft_p99": percentile([a["ttft"] for a in answers if a["ttft"] is not None], 0.99),
             "itl_p50": percentile(gaps, 0.5), "itl_p99": percentile(gaps, 0.99),
             "rows_per_pass": rows / passes if passes else None,
-            "requests_per_pass": served / passes if passes else None, "step_kinds": dict(kinds.most_common(6))}
+            "requests_per_pass": served / passes if passes else None, "step_kinds": dict(kinds.most_common(6)),
+            "drafts": {k: v for k, v in sorted(drafts.items()) if v}}
+
+
+def library_run(args: argparse.Namespace, chat: bool) -> Callable[[list[str]], tuple[list[dict], float]]:
+    """Runs prompts one after another through LLM.generate with auto in this process, as the CLI runs them."""
+    from minilade import LLM
+    llm = LLM.load(args.ckpt, dtype=args.dtype, quantize=None if args.quantize == "none" else args.quantize,
+                   progress=False)
+
+    def run(prompts: list[str]) -> tuple[list[dict], float]:
+        llm.generate(prompts[0], chat=chat, max_new_tokens=8, strategy="auto", temperature=0)  # warm-up
+        answers, start = [], time.perf_counter()
+        for prompt in prompts:
+            out = llm.generate(prompt, chat=chat, max_new_tokens=args.max_tokens, strategy="auto", temperature=0)
+            answers.append({"text": out.text, "tokens": len(out.token_ids), "ttft": out.stats.prefill_s,
+                            "gaps": [], "step_kinds": {}})
+        return answers, time.perf_counter() - start
+    return run
 
 
 def main_job(argv: list[str]) -> int:
@@ -183,29 +220,42 @@ def main_job(argv: list[str]) -> int:
     env = environment()
     print(f"command: {command_line('scripts.bench.serve', argv)}")
     print(f"cpu: {env['cpu']}; flags: {' '.join(env['cpu_flags'])}; torch threads {env['threads']}")
+    servers: dict[str, Server] = {}
     results: dict[str, dict] = {}
-    reference: dict[int, str] = {}  # prompt index -> one-at-a-time's answer
-    for mode in args.modes:
-        strategy, limit = MODES[mode]
-        server = Server(args, strategy, limit or max(args.clients))
-        try:
-            results[mode] = {}
-            offset = 0
-            for clients in args.clients:
-                share = prompts[offset:offset + clients * args.prompts_per_client]
-                before = server.metrics()
-                answers, seconds = run_level(server, share, chat, clients, args.max_tokens)
-                row = summarise(answers, seconds, before, server.metrics())
-                texts = {offset + k: a["text"] for k, a in enumerate(answers)}
-                if mode == args.modes[0]:
-                    reference.update(texts)
-                row["identical"] = sum(reference.get(k) == t for k, t in texts.items())
-                row["answers"] = len(texts)
-                results[mode][clients] = row
-                offset += len(share)
+    reference: dict[int, str] = {}  # prompt index -> the first mode's answer
+    try:
+        for mode in args.modes:  # one at a time: a server measures its step costs while it loads
+            strategy, limit, extra = MODES[mode]
+            servers[mode] = Server(args, strategy, limit or max(args.clients), *extra)
+            servers[mode].wait_ready()
+            one_request(servers[mode].url, prompts[-1], chat, 16)  # warm-up (first passes, allocations)
+        library = None if args.no_library else library_run(args, chat)
+        offset = 0
+        for level, clients in enumerate(args.clients):
+            share = prompts[offset:offset + clients * args.prompts_per_client]
+            modes = args.modes + (["library"] if library and level == 0 else [])
+            texts: dict[str, dict[int, str]] = {}
+            for mode in modes[level % len(modes):] + modes[:level % len(modes)]:  # the order rotates by level
+                if mode == "library":
+                    answers, seconds = library(share)
+                    row = summarise(answers, seconds, {}, {})
+                else:
+                    before = servers[mode].metrics()
+                    answers, seconds = run_level(servers[mode], share, chat, clients, args.max_tokens)
+                    row = summarise(answers, seconds, before, servers[mode].metrics())
+                results.setdefault(mode, {})[clients] = row
+                texts[mode] = {offset + k: a["text"] for k, a in enumerate(answers)}
+            reference.update(texts[args.modes[0]])
+            for mode in modes:
+                row = results[mode][clients]
+                row["identical"] = sum(reference[k] == t for k, t in texts[mode].items())
+                row["answers"] = len(texts[mode])
                 print(line_of(mode, clients, row), flush=True)
-            results[mode]["peak_memory_mib"] = server.peak_memory_mib()
-        finally:
+            offset += len(share)
+        for mode in args.modes:
+            results[mode]["peak_memory_mib"] = servers[mode].peak_memory_mib()
+    finally:
+        for server in servers.values():
             server.stop()
     document = {"command": command_line("scripts.bench.serve", argv), "environment": env, "results": results,
                 "chat_turns": chat_turns(args) if args.chat_turns else None}
@@ -249,6 +299,7 @@ def chat_turns(args: argparse.Namespace) -> dict:
     runs = {}
     for name, extra in (("reuse", ()), ("no reuse", ("--prompt-cache-mb", "0"))):
         server = Server(args, "auto", 1, *extra)
+        server.wait_ready()
         try:
             runs[name] = conversation(server, questions, args.max_tokens)
         finally:
@@ -263,10 +314,11 @@ def chat_turns(args: argparse.Namespace) -> dict:
 def line_of(mode: str, clients: int, r: dict) -> str:
     def ms(v):
         return "-" if v is None else f"{1e3 * v:.0f}"
-    return (f"{mode:14s} clients {clients:2d}: {r['tokens_per_s']:7.1f} tok/s, TTFT p50/p99 {ms(r['ttft_p50'])}/"
+    drafts = ", ".join(f"{k} {v:g}" for k, v in r["drafts"].items())
+    return (f"{mode:18s} clients {clients:2d}: {r['tokens_per_s']:7.1f} tok/s, TTFT p50/p99 {ms(r['ttft_p50'])}/"
             f"{ms(r['ttft_p99'])} ms, ITL p50/p99 {ms(r['itl_p50'])}/{ms(r['itl_p99'])} ms, rows/pass "
             f"{r['rows_per_pass'] or 0:.1f}, requests/pass {r['requests_per_pass'] or 0:.2f}, identical "
-            f"{r['identical']}/{r['answers']}")
+            f"{r['identical']}/{r['answers']}" + (f"; drafts {drafts}" if drafts else ""))
 
 
 def plot(results: dict, clients: list[int]):

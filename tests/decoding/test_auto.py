@@ -35,6 +35,12 @@ def test_step_costs_interpolate_between_measured_sizes() -> None:
     assert costs(1) == 1.0 and costs(2) == 1.5 and costs(4) == 2.5 and costs(6) == 2.75 and costs(16) == 6.0
 
 
+def test_a_measured_dip_in_step_costs_is_lifted_to_the_cost_below_it() -> None:
+    """A one-row step measured slower than a two-row one (noise): more rows never count as cheaper."""
+    costs = StepCosts({1: 2.0, 2: 1.0, 4: 3.0})
+    assert costs(1) == costs(2) == 2.0 and costs(3) == 2.5 and costs(4) == 3.0
+
+
 def test_expensive_steps_mean_plain_decoding() -> None:
     costs = costs_of(lambda T: float(T))  # a step of T tokens costs T: lookahead can never pay
     model = tiny_model(vocab=12, seed=1)
