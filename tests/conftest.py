@@ -10,6 +10,17 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config) -> None:
+    """Under pytest-xdist (`-n N`), each of the N workers and the processes its tests start compute on one thread,
+    so that N workers share N cores instead of fighting over them (two 2-thread torch processes on 2 cores slow
+    each other many times over)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def kept_tables(tmp_path_factory) -> Path:
     """The folder where the CLI keeps its tables (invariance verdicts, step costs) during the test session, in this

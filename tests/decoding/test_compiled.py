@@ -19,6 +19,9 @@ from minilade.model import Transformer, step_visibility
 from minilade.quant import quantize_embedding, quantize_linears
 from tests.helpers import FLAT_COSTS, checked_runs, run_tokens, tiny_model
 
+# One worker under pytest-xdist compiles these graphs, once (compiled graphs live in the process that made them).
+pytestmark = pytest.mark.xdist_group("compiled")
+
 
 def compiled_model(kind: str, sliding_window: int = 0) -> Transformer:
     """A tiny model made exact (device.make_exact) with compiled steps: float32, bfloat16, int8 or int4 layers."""

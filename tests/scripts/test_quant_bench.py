@@ -11,6 +11,9 @@ from scripts.bench import quant
 
 from ..helpers import write_tiny_checkpoint
 
+# One worker under pytest-xdist compiles these graphs, once (compiled graphs live in the process that made them).
+pytestmark = pytest.mark.xdist_group("compiled")
+
 
 @pytest.fixture(scope="module")
 def quantizable_checkpoint(tmp_path_factory) -> Path:
