@@ -123,8 +123,8 @@ class LookaheadDecoder(Decoder):
         for ngram in self.window.advance(new_level):
             self.pool.add(ngram[0], ngram[1:], from_window=True)
         kind = StepKind(window=True, paths=tree.n_paths, depth=tree.path_length)
-        fed = Counter(window=self.shape.n_base - 1, pool=tree.size)
-        return Step(emitted, kind, self.shape.n_base + tree.size, verdict, fed, Counter(pool=len(emitted) - 1))
+        fed, accepted = +Counter(window=self.shape.n_base - 1, pool=tree.size), +Counter(pool=len(emitted) - 1)
+        return Step(emitted, kind, self.shape.n_base + tree.size, verdict, fed, accepted)
 
 
 def window_fits(ctx: DecodeContext, layout: LookaheadLayout) -> bool:
