@@ -1,16 +1,21 @@
-"""The engine: one thread owns the model and runs every forward pass; each request's generation shares them.
+"""The engine: one thread schedules every forward pass over the model; each request's generation shares them.
 
 Each admitted request runs the library's own generation (llm.TextStream: decode_tokens with any strategy, stop
 strings, streaming text) in a worker thread of its own, against a `ModelProxy` instead of the model. The proxy does
 not compute: a decoder's forward call is handed to the engine and the worker blocks until its logits come back. The
-engine waits until every running request is blocked in a forward call (or has finished), then runs one pass over
-all their rows (batched.batched_forward) and hands each its logits. The decoders are unchanged, and each sees
-exactly the logits it would get alone, so each answer is the one it gets alone. A prompt's prefill starts from the
-rows kept for a prefix it shares with a finished request and runs in chunks (prefill.py).
+engine waits until every running request is blocked in a forward call (or has finished), then has one pass run over
+all their rows (batched.batched_forward) and each call answered with its logits. The decoders are unchanged, and
+each sees exactly the logits it would get alone, so each answer is the one it gets alone. A prompt's prefill starts
+from the rows kept for a prefix it shares with a finished request and runs in chunks (prefill.py).
+
+The pass runs in the thread of the worker that called last, not in the engine's: torch gives every thread that
+opens a parallel region a pool of CPU threads of its own, and a worker's host work (verification, drafts, cache
+commits) and the pass then share one pool instead of two pools contending for the same cores (at one client, the
+pass in the engine's thread ran at 0.84x the library's speed, in the worker's at 1.0x: docs/serve.md).
 
     HTTP (asyncio) --submit--> waiting (bounded) --admit--> running (<= max_concurrent worker threads)
                                                                | forward call, blocks
-    engine thread: wait for every running worker's call -> one batched pass -> logits to each -> repeat
+    engine thread: wait for every running worker's call -> the last caller runs one batched pass -> logits to each
 """
 
 from __future__ import annotations
@@ -55,14 +60,16 @@ class Job:
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
-@dataclass
+@dataclass(eq=False)
 class PendingCall:
-    """A worker's forward call waiting for the engine."""
+    """A worker's forward call waiting for the engine: answered with its logits or an error, or handed the whole
+    pass to run in the worker's own thread (`runs`), which answers every call of the pass, this one included."""
 
     forward: ForwardCall
     done: threading.Event = field(default_factory=threading.Event)
     logits: torch.Tensor | None = None
     error: BaseException | None = None
+    runs: Callable[[], None] | None = None
 
     def answer(self, logits: torch.Tensor | None = None, error: BaseException | None = None) -> None:
         self.logits, self.error = logits, error
@@ -130,6 +137,7 @@ class Engine:
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Slot] = []
         self._stopping = False
+        self._latest: PendingCall | None = None  # the call made last, whose worker runs the next pass
         self._thread = threading.Thread(target=self._loop, name="minilade-engine", daemon=True)
 
     def start(self) -> None:
@@ -177,9 +185,13 @@ class Engine:
         with self._cond:
             if slot.job.cancelled:
                 raise Cancelled()
-            slot.call = pending
+            slot.call = self._latest = pending
             self._cond.notify_all()
         pending.done.wait()
+        if pending.runs is not None:
+            run, pending.runs = pending.runs, None
+            pending.done.clear()
+            run()
         if pending.error is not None:
             raise pending.error
         return pending.logits
@@ -238,7 +250,9 @@ class Engine:
                 calls = [slot.call for slot in slots]
                 for slot in slots:
                     slot.call = None
-            self._step(slots, calls)
+                runner = self._latest if self._latest in calls else calls[-1]
+            runner.runs = lambda: self._run_pass(slots, calls)
+            runner.done.set()
 
     def _ready(self) -> bool:
         """Something to do: every running worker waits in a forward call, or a queued job can be admitted, or the
@@ -255,6 +269,17 @@ class Engine:
             slot.thread = threading.Thread(target=self._work, args=(slot,), name="minilade-request", daemon=True)
             self._running.append(slot)
             slot.thread.start()
+
+    def _run_pass(self, slots: list[Slot], calls: list[PendingCall]) -> None:
+        """The pass, in the thread of the worker it was handed to. Whatever escapes it reaches every call it leaves
+        unanswered, so that no worker waits forever."""
+        try:
+            self._step(slots, calls)
+        except BaseException as error:  # noqa: BLE001
+            log.exception("a pass failed")
+            for call in calls:
+                if not call.done.is_set():
+                    call.answer(error=error)
 
     def _step(self, slots: list[Slot], calls: list[PendingCall]) -> None:
         """One shared forward pass over the calls of every running request; a call that cannot run (its request
