@@ -24,7 +24,7 @@ from typing import Any, Iterator, Sequence, Union
 import torch
 from torch import nn
 
-from .checkpoints import DEFAULT_CHECKPOINT, Checkpoint, build_model, open_checkpoint
+from .checkpoints import DEFAULT_CHECKPOINT, Checkpoint, build_model, meta_model, open_checkpoint
 from .checkpoints.generation_config import defaults_from_hf, merge_sampling, read_generation_defaults
 from .checkpoints.gguf_quant import INT4_TYPES, gguf_embedding, gguf_int4_weights
 from .checkpoints.hf import config_from_hf
@@ -124,10 +124,13 @@ class LLM:
         metadata = checkpoint.source.metadata if checkpoint.format == "gguf" else None
         tokenizer = Tokenizer.from_checkpoint(checkpoint.path, gguf_metadata=metadata)
         defaults = read_generation_defaults(checkpoint.path)
-        model = checkpoint.load_model(dtype=dtype, device=device)
         if quantize == "auto":
             quantize, group_size = ("int4", 32) if measure_dtype and has_int4_codes(checkpoint) else (None, 32)
-        blocks = gguf_codes(checkpoint, model, tokenizer.vocab_size, quantize, group_size) if quantize else {}
+        blocks = (gguf_codes(checkpoint, meta_model(checkpoint.config), tokenizer.vocab_size, quantize, group_size)
+                  if quantize else {})
+        # Layers that take the file's codes are never read as floats (the embedding is: a tied head needs it).
+        given = {f"{name}.weight" for name in blocks if name != "tok_embeddings"}
+        model = checkpoint.load_model(dtype=dtype, device=device, given=given)
         llm = cls.prepared(model, tokenizer, str(checkpoint.path), exact=exact, measure_dtype=measure_dtype,
                            tables=tables, quantize=quantize, group_size=group_size, blocks=blocks, compile=compile)
         llm.generation_defaults = defaults

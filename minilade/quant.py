@@ -334,7 +334,8 @@ def quantize_linears(model: nn.Module, mode: str = "int4", group_size: int = 32,
     weights = dict(weights or {})
     linears = linear_modules(model)
     for name, _, _, child in linears:  # every layer checked and quantized before any is swapped
-        if child.weight.device.type != "cpu":
+        device = child.weight.device.type  # "meta" for a layer whose weight was never loaded: it must be given
+        if device != "cpu" and not (device == "meta" and name in weights):
             raise ValueError(f"quantized layers run on the CPU only; {name} is on {child.weight.device}")
         if name in weights and tuple(weights[name].codes.shape) != tuple(child.weight.shape):
             raise ValueError(f"{name}: given weight has shape {tuple(weights[name].codes.shape)}, "

@@ -12,7 +12,7 @@ checkpoint (the format-independent view, and the model built from it).
 """
 
 from ..errors import CheckpointError, UnsupportedCheckpointError
-from .checkpoint import Checkpoint, build_model, open_checkpoint
+from .checkpoint import Checkpoint, build_model, meta_model, open_checkpoint
 from .names import expected_tensor_shapes
 from .resolve import DEFAULT_CHECKPOINT, default_weights_dir, resolve_checkpoint
 
@@ -24,6 +24,7 @@ __all__ = [
     "UnsupportedCheckpointError",
     "default_weights_dir",
     "expected_tensor_shapes",
+    "meta_model",
     "open_checkpoint",
     "resolve_checkpoint",
 ]

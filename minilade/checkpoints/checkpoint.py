@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Protocol
+from typing import Collection, Iterable, Iterator, Mapping, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -19,7 +19,7 @@ from ..errors import CheckpointError
 from ..model import Transformer
 from .gguf import open_gguf
 from .hf import open_safetensors_folder
-from .names import expected_tensor_shapes, model_state_dict, unaccounted_tensors
+from .names import checkpoint_tensors, expected_tensor_shapes, model_state_dict, unaccounted_tensors
 from .resolve import resolve_checkpoint
 
 
@@ -65,13 +65,16 @@ class Checkpoint:
                 f"({self.config.n_layers} layers; {len(extra)} such tensors): the config and the weights disagree"
             )
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, given: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
         """Validate, then yield (canonical name, CPU tensor) one at a time, so that peak memory stays about one
         copy of the model. safetensors: stored dtype, read from the memory map when yielded. GGUF: F32/F16/BF16
         as stored, quantised types dequantised to float32, Q/K in HF rotary layout. A tensor holding NaN or
-        infinity (no trained weight does; a corrupted file may) raises CheckpointError instead of being run."""
+        infinity (no trained weight does; a corrupted file may) raises CheckpointError instead of being run.
+        given: our parameter names whose tensors are not read (see load_model)."""
         self.validate()
-        return self._finite(self.source.load(list(expected_tensor_shapes(self.config))))
+        table = checkpoint_tensors(self.config)
+        names = [name for name in expected_tensor_shapes(self.config) if table[name].ours not in given]
+        return self._finite(self.source.load(names))
 
     def _finite(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in tensors:
@@ -81,10 +84,13 @@ class Checkpoint:
                 raise CheckpointError(f"{self.path}: tensor {self._label(name)} holds NaN or infinite values")
             yield name, tensor
 
-    def load_model(self, *, dtype: torch.dtype, device: torch.device | str) -> Transformer:
-        """The model with this checkpoint's weights, in `dtype` on `device` (see build_model)."""
+    def load_model(self, *, dtype: torch.dtype, device: torch.device | str, given: Collection[str] = ()
+                   ) -> Transformer:
+        """The model with this checkpoint's weights, in `dtype` on `device` (see build_model). given: our names
+        of parameters the caller puts in place itself (a file's own quantized codes, "layers.0.attention.wqkv.weight"):
+        neither read nor allocated here, they stay on the meta device."""
         try:
-            return build_model(self.config, self.tensors(), dtype=dtype, device=device)
+            return build_model(self.config, self.tensors(given), dtype=dtype, device=device, given=given)
         except CheckpointError as error:  # build_model's own messages do not know the file
             if str(self.path) in str(error):
                 raise
@@ -124,15 +130,21 @@ class _SkipInit(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype,
-                device: torch.device | str) -> Transformer:
-    """A Transformer with the given canonical-named weights (converted to dtype/device), built on the meta device
-    so no random weights are ever allocated and the weights exist in memory once."""
+def meta_model(config: ModelConfig) -> Transformer:
+    """The Transformer of `config` on the meta device: its modules and shapes, no memory, nothing initialised."""
     with torch.device("meta"), _SkipInit():
-        model = Transformer(config)
+        return Transformer(config)
+
+
+def build_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype,
+                device: torch.device | str, given: Collection[str] = ()) -> Transformer:
+    """A Transformer with the given canonical-named weights (converted to dtype/device), built on the meta device
+    so no random weights are ever allocated and the weights exist in memory once. Parameters named in `given`
+    may be absent from `tensors` (they stay on the meta device, for the caller to replace)."""
+    model = meta_model(config)
     state = model_state_dict(tensors, config, dtype=dtype, device=device)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [m for m in missing if not (config.tie_word_embeddings and m == "output.weight")]
+    missing = [m for m in missing if m not in given and not (config.tie_word_embeddings and m == "output.weight")]
     if missing or unexpected:
         raise CheckpointError(f"weights do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     if config.tie_word_embeddings:

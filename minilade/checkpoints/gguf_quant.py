@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from ..errors import CheckpointError
 from ..quant import Int4Weight, Int8GroupWeight, cat_rows, map_rows
 from .gguf import GGUFTensors, unpermute_rotary
 from .names import checkpoint_tensors
@@ -96,7 +97,8 @@ def gguf_int4_weights(source: GGUFTensors, modules: Collection[str]) -> dict[str
     """Our module name ("layers.0.attention.wqkv") -> its weight from the file's 4-bit blocks, for each of
     `modules` (the model's linear layers: quant.linear_modules) whose parts are all Q4_0 / Q4_1: Q/K rows
     un-permuted to the rotate-half layout, fused parts stacked in slot order. The others (float, Q8_0, K-quants,
-    a head tied to the embedding) are absent: quantize_linears quantizes them from their float weights."""
+    a head tied to the embedding) are absent: quantize_linears quantizes them from their float weights. A block whose
+    scale or minimum is not finite (a corrupted file) raises CheckpointError, as Checkpoint.tensors does."""
     wanted = {f"{name}.weight" for name in modules}
     specs = [s for s in checkpoint_tensors(source.config).values() if s.ours in wanted]
     parts: dict[str, dict[int, Int4Weight]] = {}
@@ -105,6 +107,9 @@ def gguf_int4_weights(source: GGUFTensors, modules: Collection[str]) -> dict[str
         if tensor.tensor_type not in INT4_TYPES:
             continue
         weight = int4_from_blocks(tensor.data, tensor.tensor_type)
+        if not (torch.isfinite(weight.scales).all() and torch.isfinite(weight.zeros).all()):
+            raise CheckpointError(f"{source.path}: tensor {spec.canonical} ({source.stored_name(spec.canonical)} in "
+                                  f"the file) holds NaN or infinite values")
         heads = spec.module.rotary_heads
         if heads is not None and source.permuted:
             n_heads = getattr(source.config, heads)

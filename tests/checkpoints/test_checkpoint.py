@@ -62,7 +62,7 @@ def test_build_model_errors_name_the_file_through_load_model(tmp_path: Path, tin
     checkpoint = open_checkpoint(tmp_path, progress=False)
     original = checkpoint.tensors
     monkeypatch.setattr(module.Checkpoint, "tensors",
-                        lambda self: ((n, t) for n, t in original() if n != "model.norm.weight"))
+                        lambda self, given=(): ((n, t) for n, t in original() if n != "model.norm.weight"))
     assert_one_line_error(lambda: checkpoint.load_model(dtype=torch.float32, device="cpu"),
                           f"{tmp_path}: weights do not fit the model: missing ['norm.weight']")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from minilade.checkpoints import open_checkpoint
+from minilade.checkpoints import meta_model, open_checkpoint
 from minilade.checkpoints.gguf import open_gguf
 from minilade.checkpoints.gguf_quant import (
     INT4_TYPES,
@@ -24,7 +24,7 @@ from minilade.checkpoints.gguf_quant import (
     int8_from_q8_0,
 )
 from minilade.llm import gguf_codes
-from minilade.quant import QuantizedLinear, linear_modules
+from minilade.quant import QuantizedLinear, linear_modules, quantize_linears
 
 INT4 = sorted(INT4_TYPES, key=lambda q: q.name)
 
@@ -122,3 +122,47 @@ def test_real_model_blocks_are_bit_exact(smollm2_gguf: Path) -> None:
         assert torch.equal(weights[f"layers.0.{module}"].dequantize(), ours.weight), module
     embedding = gguf_embedding(source)  # the Q8_0 embedding, code for code
     assert torch.equal(embedding.dequantize(), model.tok_embeddings.weight)
+
+
+@pytest.mark.parametrize("name", ["mha-untied", "gqa-tied"])
+def test_layers_given_as_file_codes_are_never_read_as_floats(
+        name: str, tmp_path: Path, tiny_llama: Callable[..., Any], gguf_tensors: Callable[..., Any],
+        write_gguf: Callable[..., Path]) -> None:
+    """LLM.load's int4 path: the layers that take the file's Q4 codes are neither read nor allocated as floats
+    (they stay on the meta device until their codes replace them), and the model built that way equals, tensor for
+    tensor, the one whose float layers were loaded first and then replaced by the same codes."""
+    hf = tiny_llama(name)
+    checkpoint = open_checkpoint(write_gguf(tmp_path / "m.gguf", hf.config, gguf_tensors(hf, QType.Q4_0)),
+                                 progress=False)
+    blocks = gguf_codes(checkpoint, meta_model(checkpoint.config), hf.config.vocab_size, "int4", 32)
+    given = {f"{module}.weight" for module in blocks if module != "tok_embeddings"}
+    assert {"layers.0.attention.wqkv.weight", "layers.1.feed_forward.w_down.weight"} <= given
+    assert ("output.weight" in given) == (not hf.config.tie_word_embeddings)
+    read = {n for n, _ in checkpoint.tensors(given)}
+    assert not any(n.endswith(("q_proj.weight", "k_proj.weight", "up_proj.weight")) for n in read)
+    assert "model.embed_tokens.weight" in read and "model.norm.weight" in read
+
+    direct = checkpoint.load_model(dtype=torch.float32, device="cpu", given=given)
+    assert {n for n, p in direct.named_parameters() if p.is_meta} == given
+    floats = checkpoint.load_model(dtype=torch.float32, device="cpu")
+    for model in (direct, floats):
+        quantize_linears(model, "int4", 32, weights=blocks)
+    a, b = direct.state_dict(), floats.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not any(t.is_meta for t in a.values())
+
+
+def test_non_finite_q4_scales_are_refused(tmp_path: Path, tiny_llama: Callable[..., Any],
+                                          gguf_tensors: Callable[..., Any], write_gguf: Callable[..., Path],
+                                          assert_one_line_error: Callable[..., str]) -> None:
+    """Codes taken as they are skip the float loader's finite check, so a corrupted block's scale is caught here."""
+    hf = tiny_llama("mha-untied")
+    tensors = gguf_tensors(hf, QType.Q4_0)
+    data, kind = tensors["blk.1.ffn_up.weight"]
+    data = data.copy()
+    data[2, 0:2] = [0x00, 0x7E]  # the first block's float16 scale of row 2 becomes NaN
+    tensors["blk.1.ffn_up.weight"] = (data, kind)
+    path = write_gguf(tmp_path / "m.gguf", hf.config, tensors)
+    assert_one_line_error(lambda: gguf_int4_weights(open_gguf(path), ["layers.1.feed_forward.w_gate_up"]),
+                          str(path), "tensor model.layers.1.mlp.up_proj.weight (blk.1.ffn_up.weight in the file) "
+                          "holds NaN or infinite values")
