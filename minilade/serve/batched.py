@@ -7,11 +7,13 @@ arguments: a `ForwardCall`). `batched_forward` runs the calls of one step togeth
     embedding, norms, wqkv, wo, gate_up, down            over all rows at once (weights read once per step)
     rotary                                               each row by its own call's positions
     attention                                            per call: its q, k, v rows, its cache, its mask
+                                                         (calls of one causal shape stacked: stacked.py)
     output head                                          only each call's logits_rows
 
 A row's result depends only on its own call: the norms, rotary, SiLU and residual adds work row by row; the weight
 matmuls of an exact model are row-count invariant (invariance.RowTiledLinear); attention runs per call, on the very
-tensors the call alone would give it. So each call gets bitwise the logits the model gives it alone.
+tensors the call alone would give it, or stacked with others in a way that gives it the same bits (stacked.py). So
+each call gets bitwise the logits the model gives it alone.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from ..kv_cache import KVCache
 from ..model import Attention, Transformer
+from .stacked import Stack, attend_stacked, stacks
 
 
 @dataclass
@@ -89,8 +92,9 @@ def batched_forward(model: Transformer, calls: list[PreparedCall]) -> list[torch
     cos = torch.cat([p.cos for p in calls], dim=1)  # (1, sum T, 1, D)
     sin = torch.cat([p.sin for p in calls], dim=1)
     x = model.tok_embeddings(tokens).to(model.dtype)  # (1, sum T, dim)
+    together = stacks([p.step for p in calls])
     for i, layer in enumerate(model.layers):
-        x = x + attend(layer.attention, layer.attention_norm(x), cos, sin, calls, starts, i, model)
+        x = x + attend(layer.attention, layer.attention_norm(x), cos, sin, calls, starts, i, model, together)
         x = x + layer.feed_forward(layer.ffn_norm(x))
     rows = torch.cat([start + p.rows for start, p in zip(starts, calls)])
     logits = model.output(model.norm(x[:, rows]))  # (1, sum R, V)
@@ -98,12 +102,21 @@ def batched_forward(model: Transformer, calls: list[PreparedCall]) -> list[torch
 
 
 def attend(attention: Attention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, calls: list[PreparedCall],
-           starts: list[int], layer: int, model: Transformer) -> torch.Tensor:
+           starts: list[int], layer: int, model: Transformer, together: list[Stack]) -> torch.Tensor:
     """One layer's attention: q, k, v projected for all rows together, then each call's rows attend over its own
-    cache through its own prepared step. h: (1, sum T, dim) -> (1, sum T, dim)."""
+    cache through its own prepared step, the calls of each stack in one kernel call (stacked.py).
+    h: (1, sum T, dim) -> (1, sum T, dim)."""
     q, k, v = attention.project(h, cos, sin)  # (1, H, sum T, D), (1, Hkv, sum T, D) x 2
+    rows = [slice(a, a + p.T) for a, p in zip(starts, calls)]
+    out: list[torch.Tensor | None] = [None] * len(calls)
+    for stack in together:
+        parts = [torch.cat([t[:, :, rows[i]] for i in stack.members]) for t in (q, k, v)]  # (B, H|Hkv, T, D)
+        y = attend_stacked(stack, *parts, [calls[i].call.cache for i in stack.members], layer)
+        for b, i in enumerate(stack.members):
+            out[i] = y[b:b + 1]
     kernel = model.attention_kernel
-    out = [kernel(q[:, :, a:a + p.T], k[:, :, a:a + p.T], v[:, :, a:a + p.T], p.call.cache, layer, p.step)
-           for a, p in zip(starts, calls)]  # each (1, H, T_i, D)
+    for i, p in enumerate(calls):
+        if out[i] is None:
+            out[i] = kernel(q[:, :, rows[i]], k[:, :, rows[i]], v[:, :, rows[i]], p.call.cache, layer, p.step)
     y = torch.cat(out, dim=2)  # (1, H, sum T, D)
     return attention.wo(y.transpose(1, 2).reshape(1, h.shape[1], -1))
