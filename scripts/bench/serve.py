@@ -8,6 +8,8 @@ level (their order rotating), so that slow and fast spells of a shared machine f
 - batched-auto: the same with auto, greedy requests sizing their drafts for the whole pass (the default);
 - batched-auto-alone: auto with --plan alone, each request sizing its drafts as if it ran alone.
 At one client, `library` is the same prompts through LLM.generate with auto in this process (what the CLI does).
+Where `llama-server` is on PATH (llama.cpp's, e.g. built from the source vendored in llama-cpp-python), it serves
+the same GGUF file with the same threads and one slot per client beside them (mode llama-server).
 Each client streams its prompts one after another (chat prompts from MT-Bench or GSM8K, code from HumanEval,
 greedy, --max-tokens new tokens); every level of concurrency takes the next prompts of the set. Reported per mode
 and concurrency: aggregate completion tokens/s (all clients' tokens over the level's wall time), time to first
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -32,6 +35,9 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
+import torch
+
+from minilade.checkpoints.resolve import resolve_checkpoint
 
 from .common import DEFAULT_DATA_DIR, DEFAULT_OUT_DIR, command_line, environment, run_job, write_json, write_png
 from .plots import import_figure
@@ -39,6 +45,7 @@ from .plots import import_figure
 SETS = {"mt_bench": ("mt_bench.jsonl", lambda r: r["turns"][0], True),
         "gsm8k": ("gsm8k_test.jsonl", lambda r: r["question"], True),
         "humaneval": ("humaneval.jsonl", lambda r: r["prompt"], False)}
+LLAMA_SERVER = "llama-server"
 MODES = {"one-at-a-time": ("auto", 1, ()), "batched-plain": ("autoregressive", None, ()),
          "batched-auto": ("auto", None, ()), "batched-auto-alone": ("auto", None, ("--plan", "alone"))}
 START_S = 600
@@ -78,16 +85,28 @@ def load_prompts(args: argparse.Namespace) -> tuple[list[str], bool]:
 class Server:
     """A server process on a free loopback port, ready once /health says 200."""
 
-    def __init__(self, args: argparse.Namespace, strategy: str, max_concurrent: int, *extra: str) -> None:
+    def __init__(self, command: Callable[[int], list[str]], minilade: bool = True) -> None:
+        """command: the process's command line for a port."""
         import socket
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        command = [sys.executable, "-m", "minilade.serve", "--port", str(self.port), "--strategy", strategy,
-                   "--max-concurrent", str(max_concurrent), "--queue", "64", "--dtype", args.dtype,
-                   "--quantize", args.quantize, *extra]
-        self.process = subprocess.Popen(command + (["--ckpt", args.ckpt] if args.ckpt else []))
+        quiet = {} if minilade else dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # it logs every step
+        self.process = subprocess.Popen(command(self.port), **quiet)
         self.url = f"http://127.0.0.1:{self.port}"
+        self.minilade = minilade
+
+    @classmethod
+    def of_minilade(cls, args: argparse.Namespace, strategy: str, max_concurrent: int, *extra: str) -> Server:
+        return cls(lambda port: [sys.executable, "-m", "minilade.serve", "--port", str(port), "--strategy", strategy,
+                                 "--max-concurrent", str(max_concurrent), "--queue", "64", "--dtype", args.dtype,
+                                 "--quantize", args.quantize, *extra] + (["--ckpt", args.ckpt] if args.ckpt else []))
+
+    @classmethod
+    def of_llama_cpp(cls, gguf: Path, slots: int, threads: int) -> Server:
+        """llama-server on the same file and threads, one slot per client, each slot with a 2048-token context."""
+        return cls(lambda port: ["llama-server", "-m", str(gguf), "-t", str(threads), "-np", str(slots), "-c",
+                                 str(2048 * slots), "--host", "127.0.0.1", "--port", str(port)], minilade=False)
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + START_S
@@ -102,8 +121,11 @@ class Server:
         raise SystemExit("error: the server did not start")
 
     def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics by name, its labelled samples summed; drafts also by source ("name:source")."""
+        """Every sample of /metrics by name, its labelled samples summed; drafts also by source ("name:source").
+        Empty for llama-server."""
         values: Counter = Counter()
+        if not self.minilade:
+            return {}
         for line in httpx.get(f"{self.url}/metrics").text.splitlines():
             if line and not line.startswith("#"):
                 name, value = line.split("{")[0].split()[0], float(line.split()[-1])
@@ -129,6 +151,18 @@ class Server:
             self.process.kill()
 
 
+def llama_server(args: argparse.Namespace) -> Server | None:
+    """llama-server beside the modes, where it is on PATH and the checkpoint is a GGUF file; else None, said why."""
+    if shutil.which("llama-server") is None:
+        print("llama-server: not on PATH, not run")
+        return None
+    gguf = resolve_checkpoint(args.ckpt, progress=False)
+    if gguf.suffix != ".gguf":
+        print(f"llama-server: reads GGUF files, and the checkpoint is {gguf}; not run")
+        return None
+    return Server.of_llama_cpp(gguf, max(args.clients), torch.get_num_threads())
+
+
 def one_request(url: str, prompt: str, chat: bool, max_tokens: int) -> dict:
     """Stream one greedy request; its text, tokens, time to first token and gaps between chunks (seconds)."""
     body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
@@ -149,7 +183,8 @@ def one_request(url: str, prompt: str, chat: bool, max_tokens: int) -> dict:
                     text.append(piece)
             kinds = event.get("minilade", {}).get("step_kinds", kinds)
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return {"text": "".join(text), "tokens": tokens, "ttft": arrivals[0] - start if arrivals else None,
+    # llama-server may leave usage out of a stream; each of its chunks is one token.
+    return {"text": "".join(text), "tokens": tokens or len(text), "ttft": arrivals[0] - start if arrivals else None,
             "gaps": gaps, "step_kinds": kinds}
 
 
@@ -226,14 +261,20 @@ def main_job(argv: list[str]) -> int:
     try:
         for mode in args.modes:  # one at a time: a server measures its step costs while it loads
             strategy, limit, extra = MODES[mode]
-            servers[mode] = Server(args, strategy, limit or max(args.clients), *extra)
+            servers[mode] = Server.of_minilade(args, strategy, limit or max(args.clients), *extra)
             servers[mode].wait_ready()
             one_request(servers[mode].url, prompts[-1], chat, 16)  # warm-up (first passes, allocations)
+        peer = llama_server(args)
+        if peer is not None:
+            servers[LLAMA_SERVER] = peer
+            peer.wait_ready()
+            one_request(peer.url, prompts[-1], chat, 16)
         library = None if args.no_library else library_run(args, chat)
         offset = 0
         for level, clients in enumerate(args.clients):
             share = prompts[offset:offset + clients * args.prompts_per_client]
-            modes = args.modes + (["library"] if library and level == 0 else [])
+            modes = (args.modes + ([LLAMA_SERVER] if LLAMA_SERVER in servers else [])
+                     + (["library"] if library and level == 0 else []))
             texts: dict[str, dict[int, str]] = {}
             for mode in modes[level % len(modes):] + modes[:level % len(modes)]:  # the order rotates by level
                 if mode == "library":
@@ -252,8 +293,8 @@ def main_job(argv: list[str]) -> int:
                 row["answers"] = len(texts[mode])
                 print(line_of(mode, clients, row), flush=True)
             offset += len(share)
-        for mode in args.modes:
-            results[mode]["peak_memory_mib"] = servers[mode].peak_memory_mib()
+        for mode, server in servers.items():
+            results[mode]["peak_memory_mib"] = server.peak_memory_mib()
     finally:
         for server in servers.values():
             server.stop()
@@ -298,7 +339,7 @@ def chat_turns(args: argparse.Namespace) -> dict:
     questions = [text(r) for r in records[-args.chat_turns:]]
     runs = {}
     for name, extra in (("reuse", ()), ("no reuse", ("--prompt-cache-mb", "0"))):
-        server = Server(args, "auto", 1, *extra)
+        server = Server.of_minilade(args, "auto", 1, *extra)
         server.wait_ready()
         try:
             runs[name] = conversation(server, questions, args.max_tokens)
