@@ -26,6 +26,7 @@ from ..decoding.auto import COST_SIZES
 from ..decoding.step_costs import step_costs_for
 from ..llm import LLM
 from .app import Limits, Planning, Service, create_app
+from .prefill import PREFILL_CHUNK
 from .protocol import Served
 
 
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes; larger get 413")
     p.add_argument("--prompt-cache-mb", type=int, default=512,
                    help="memory for finished requests' K/V, reused by prompts that begin with them (0: off; 512)")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="ROWS",
+                   help=f"prompt rows a new request feeds each shared pass: the running requests wait at most one "
+                        f"such pass for it ({PREFILL_CHUNK})")
     p.add_argument("--plan", choices=["pass", "alone"], default="pass",
                    help="greedy auto requests size their drafts for the whole shared pass (pass, the default) or each "
                         "as if alone; only speed depends on it")
@@ -59,7 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds running answers may take to finish after SIGTERM (10)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
-    for name in ("max_concurrent", "queue", "max_body"):
+    for name in ("max_concurrent", "queue", "max_body", "prefill_chunk"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.shared_history < 0:
@@ -103,7 +107,8 @@ class Server(uvicorn.Server):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(message)s")
-    limits = Limits(args.max_concurrent, args.queue, args.max_body, args.shutdown_timeout, args.prompt_cache_mb << 20)
+    limits = Limits(args.max_concurrent, args.queue, args.max_body, args.shutdown_timeout, args.prompt_cache_mb << 20,
+                    args.prefill_chunk)
     planning = Planning(together=args.plan == "pass", history_tokens=args.shared_history)
     service = Service(loader(args), model_id(args), api_key=args.api_key, limits=limits, planning=planning)
     config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level=args.log_level,

@@ -26,7 +26,7 @@ from ..llm import Generation
 from .engine import Engine, Job
 from .errors import APIError, invalid, unavailable
 from .metrics import Metrics
-from .prefill import PrefixCache
+from .prefill import PREFILL_CHUNK, PrefixCache
 from .protocol import Request as Parsed
 from .protocol import Served, parse_request
 from .responses import Answer, sse
@@ -42,6 +42,7 @@ class Limits:
     max_body: int = 4 << 20  # bytes
     stop_timeout_s: float = 10.0
     prompt_cache_bytes: int = 512 << 20  # finished requests' K/V kept for prompts that begin with them
+    prefill_chunk: int = PREFILL_CHUNK  # prompt rows per shared pass
 
 
 @dataclass
@@ -78,7 +79,7 @@ class Service:
             history = DraftHistory(self.planning.history_tokens) if self.planning.history_tokens else None
             engine = Engine(served.llm, max_concurrent=self.limits.max_concurrent, queue_size=self.limits.queue,
                             metrics=self.metrics, prefixes=prefixes, plan_together=self.planning.together,
-                            history=history)
+                            history=history, prefill_chunk=self.limits.prefill_chunk)
             engine.start()
             self.served, self.engine = served, engine
             log.warning("minilade.serve: ready, serving %s", self.model_id)

@@ -39,7 +39,7 @@ from .batched import ForwardCall, PreparedCall, batched_forward, prepare_call
 from .errors import busy, unavailable
 from .metrics import Metrics
 from .planner import PassMember, PassPlans
-from .prefill import Hit, PrefixCache, is_prefill, prefill_calls, splits_exactly
+from .prefill import PREFILL_CHUNK, Hit, PrefixCache, is_prefill, prefill_calls, splits_exactly
 
 log = logging.getLogger("minilade.serve")
 
@@ -108,7 +108,8 @@ class ModelProxy:
         call, slot = ForwardCall(tokens, input_pos, cache, mask, logits_rows), self._slot
         if not self._engine.split_prefills or not is_prefill(call, len(slot.job.prompt_ids)):
             return self._engine.forward(slot, call)
-        slot.job.cached_tokens, calls = prefill_calls(call, slot.hit)  # kept rows copied, the rest in chunks
+        # kept rows copied, the rest in chunks
+        slot.job.cached_tokens, calls = prefill_calls(call, slot.hit, self._engine.prefill_chunk)
         try:
             for part in calls:
                 logits = self._engine.forward(slot, part)
@@ -122,12 +123,14 @@ class Engine:
 
     def __init__(self, llm: LLM, *, max_concurrent: int = 8, queue_size: int = 32,
                  metrics: Metrics | None = None, prefixes: PrefixCache | None = None, plan_together: bool = True,
-                 history: DraftHistory | None = None) -> None:
+                 history: DraftHistory | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
         """prefixes: where finished requests' K/V are kept for the prompts that begin with them (None: nowhere).
         plan_together: greedy auto generations size their steps for the whole pass (planner.py), not alone.
-        history: earlier answers that greedy auto generations draft from, and add theirs to (None: none shared)."""
+        history: earlier answers that greedy auto generations draft from, and add theirs to (None: none shared).
+        prefill_chunk: prompt rows a new request feeds each shared pass (the others wait at most that pass)."""
         self.llm, self.max_concurrent, self.queue_size, self.prefixes = llm, max_concurrent, queue_size, prefixes
         self.plan_together, self.history, self.plans = plan_together, history, PassPlans()
+        self.prefill_chunk = prefill_chunk
         self.split_prefills = splits_exactly(llm.model)  # from kept rows and in chunks (prefill.py)
         self.metrics = metrics or Metrics()
         self.metrics.gauges.update(minilade_requests_running=lambda: len(self._running),

@@ -168,3 +168,21 @@ def test_the_minilade_command_serves(capsys):
     with pytest.raises(SystemExit) as caught:
         console(["serve", "--max-concurrent", "0"])
     assert caught.value.code == 2 and "--max-concurrent must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("chunk", [4, 7])
+def test_a_prompt_is_read_in_passes_of_prefill_chunk_rows(llm, chunk):
+    """--prefill-chunk: a prompt of 20 tokens feeds the passes `chunk` rows at a time, and the answer is the one a
+    whole prefill gives."""
+    engine = Engine(llm, prefill_chunk=chunk)
+    engine.start()
+    prompt = [(7 * i) % 40 + 3 for i in range(20)]
+    submitted, events = job(prompt, max_new_tokens=3)
+    engine.submit(submitted)
+    kind, generation = outcome(events)
+    engine.stop()
+    assert kind == "done"
+    passes = engine.metrics._values["minilade_forward_passes_total", ()]
+    assert passes == -(-20 // chunk) + len(generation.token_ids) - 1  # the prompt's chunks, then one pass a token
+    expected = llm.generate(prompt, max_new_tokens=3, temperature=0, strategy="autoregressive").token_ids
+    assert generation.token_ids == expected
