@@ -29,7 +29,7 @@ from ..model import Transformer
 from .batched import ForwardCall
 
 MIN_REUSE = 4  # fewer common tokens than this are recomputed: not worth a copy
-PREFILL_CHUNK = 128  # prompt rows per pass: the running requests wait at most one such pass for a new prompt
+PREFILL_CHUNK = 32  # prompt rows per pass: the running requests wait at most one such pass for a new prompt
 
 
 @dataclass
