@@ -363,7 +363,7 @@ def line_of(mode: str, clients: int, r: dict) -> str:
 
 
 def plot(results: dict, clients: list[int]):
-    figure = import_figure()(figsize=(9, 3.6))
+    figure = import_figure()(figsize=(11, 3.6))
     throughput, latency = figure.subplots(1, 2)
     for mode, rows in results.items():
         levels = [c for c in clients if c in rows]
@@ -376,7 +376,7 @@ def plot(results: dict, clients: list[int]):
         ax.minorticks_off()
         ax.set_xticklabels([str(c) for c in clients])
         ax.grid(alpha=0.3)
-    throughput.legend()
+    latency.legend(*throughput.get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
     return figure
 
 
