@@ -4,8 +4,10 @@
     app.py        HTTP routes (Starlette): API key, body limit, errors, Server-Sent Events
     protocol.py   the request fields served, checked; the GenerationSettings they make
     responses.py  the OpenAI response and stream-chunk shapes, with usage and minilade's step statistics
-    engine.py     one thread owns the model; each request's generation runs against a proxy of it
+    engine.py     one thread schedules the passes; each request's generation runs against a proxy of the model
+    planner.py    what the generations of a pass feed it, for greedy auto to plan against
     batched.py    one forward pass over the rows of several generations, each with its own cache and mask
+    stacked.py    the attention of a pass's causal calls of one shape as one kernel call, bits unchanged
     prefill.py    a prompt's prefill from kept prefix rows (PrefixCache) and in chunks
     errors.py     the {"error": {...}} shape and its statuses
     metrics.py    counters for GET /metrics (Prometheus text)
