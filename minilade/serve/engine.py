@@ -39,7 +39,7 @@ from .batched import ForwardCall, PreparedCall, batched_forward, prepare_call
 from .errors import busy, unavailable
 from .metrics import Metrics
 from .planner import PassMember, PassPlans
-from .prefill import PREFILL_CHUNK, Hit, PrefixCache, is_prefill, prefill_calls, splits_exactly
+from .prefill import PREFILL_ALONE, PREFILL_CHUNK, Hit, PrefixCache, is_prefill, prefill_calls, splits_exactly
 
 log = logging.getLogger("minilade.serve")
 
@@ -109,7 +109,7 @@ class ModelProxy:
         if not self._engine.split_prefills or not is_prefill(call, len(slot.job.prompt_ids)):
             return self._engine.forward(slot, call)
         # kept rows copied, the rest in chunks
-        slot.job.cached_tokens, calls = prefill_calls(call, slot.hit, self._engine.prefill_chunk)
+        slot.job.cached_tokens, calls = prefill_calls(call, slot.hit, self._engine.prefill_rows)
         try:
             for part in calls:
                 logits = self._engine.forward(slot, part)
@@ -127,7 +127,7 @@ class Engine:
         """prefixes: where finished requests' K/V are kept for the prompts that begin with them (None: nowhere).
         plan_together: greedy auto generations size their steps for the whole pass (planner.py), not alone.
         history: earlier answers that greedy auto generations draft from, and add theirs to (None: none shared).
-        prefill_chunk: prompt rows a new request feeds each shared pass (the others wait at most that pass)."""
+        prefill_chunk: prompt rows a new request feeds each pass while others run (they wait at most that pass)."""
         self.llm, self.max_concurrent, self.queue_size, self.prefixes = llm, max_concurrent, queue_size, prefixes
         self.plan_together, self.history, self.plans = plan_together, history, PassPlans()
         self.prefill_chunk = prefill_chunk
@@ -145,6 +145,11 @@ class Engine:
 
     def start(self) -> None:
         self._thread.start()
+
+    def prefill_rows(self) -> int:
+        """Prompt rows the next prefill pass takes: few while other requests run and wait for it, many while none
+        does (prefill.PREFILL_ALONE)."""
+        return self.prefill_chunk if len(self._running) > 1 else PREFILL_ALONE
 
     def submit(self, job: Job) -> None:
         """Queue a job; a 429 APIError when the queue is full, a 503 when the engine is stopping."""

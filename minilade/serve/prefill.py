@@ -5,8 +5,9 @@ The next turn of a chat resends the whole conversation: its prompt begins with t
 answer, whose K/V a finished request already computed. `PrefixCache` keeps the committed K/V rows of finished
 requests (token ids and their rows, copied out of the request's cache), least recently used first out, within a
 byte budget. A new request's prefill then copies the rows of the longest common prefix into its own cache and runs
-only the rest of the prompt, PREFILL_CHUNK rows per pass (`prefill_calls`), each pass shared with the running
-requests' steps.
+only the rest of the prompt in chunks (`prefill_calls`), each pass shared with the running requests' steps:
+PREFILL_CHUNK rows per pass while other requests run (they wait at most one such pass), PREFILL_ALONE while none
+does (nobody waits, and wider passes read a prompt sooner).
 
 The answer is the same with or without reuse, in one piece or in chunks: with the exact backend every row of a
 prefill goes through the batch-invariant attention (invariance.ExactAttention), so the K/V and logits of row r
@@ -19,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -29,7 +30,8 @@ from ..model import Transformer
 from .batched import ForwardCall
 
 MIN_REUSE = 4  # fewer common tokens than this are recomputed: not worth a copy
-PREFILL_CHUNK = 32  # prompt rows per pass: the running requests wait at most one such pass for a new prompt
+PREFILL_CHUNK = 8  # prompt rows per pass while others run: they wait at most one such pass for a new prompt
+PREFILL_ALONE = 256  # prompt rows per pass while no other request runs (one block of invariance.CausalPrefill)
 
 
 @dataclass
@@ -108,20 +110,27 @@ def is_prefill(call: ForwardCall, prompt_len: int) -> bool:
             and call.logits_rows is not None)
 
 
+def chunk_end(a: int, T: int, first_logits_row: int, chunk: int) -> int:
+    """Where the prefill pass that begins at row a of T ends: after `chunk` rows, or at T where the pass would
+    otherwise end amid the rows whose logits are asked for (from first_logits_row on): the last pass holds them all."""
+    b = min(a + chunk, T)
+    return T if b > first_logits_row else b
+
+
 def chunk_bounds(start: int, T: int, first_logits_row: int, chunk: int = PREFILL_CHUNK) -> list[int]:
-    """Where the passes of a prefill of rows [start, T) begin, then T: `chunk` rows each, the last ones merged so
-    that the last pass holds every row whose logits are asked for (from first_logits_row on)."""
-    bounds = [*range(start, T, chunk), T]
-    while len(bounds) > 2 and bounds[-2] > first_logits_row:
-        del bounds[-2]
+    """Where the passes of a prefill of rows [start, T) begin, then T, at `chunk` rows a pass (chunk_end)."""
+    bounds = [start]
+    while bounds[-1] < T:
+        bounds.append(chunk_end(bounds[-1], T, first_logits_row, chunk))
     return bounds
 
 
-def prefill_calls(call: ForwardCall, hit: Hit | None, chunk: int = PREFILL_CHUNK) -> tuple[int, Iterator[ForwardCall]]:
+def prefill_calls(call: ForwardCall, hit: Hit | None, chunk: int | Callable[[], int] = PREFILL_CHUNK
+                  ) -> tuple[int, Iterator[ForwardCall]]:
     """The prefill's call as the calls to run instead, and how many prompt rows come from `hit`: its rows copied
-    into the cache, then the rest of the prompt in passes of `chunk` rows (chunk_bounds), each at the cache length
-    its rows start at, the last asking for the prefill's logits rows. The caller sets the cache's length back to 0
-    after them, since the decoder commits the whole prompt itself."""
+    into the cache, then the rest of the prompt in passes of `chunk` rows (or as many as chunk() says when each pass
+    is due; chunk_end), each at the cache length its rows start at, the last asking for the prefill's logits rows.
+    The caller sets the cache's length back to 0 after them, since the decoder commits the whole prompt itself."""
     cache, T, rows = call.cache, call.tokens.shape[1], call.logits_rows
     start = min(hit.n, int(rows.min())) if hit is not None else 0
     if start:
@@ -130,10 +139,12 @@ def prefill_calls(call: ForwardCall, hit: Hit | None, chunk: int = PREFILL_CHUNK
     positions = call.input_pos.reshape(-1)
 
     def calls() -> Iterator[ForwardCall]:
-        bounds = chunk_bounds(start, T, int(rows.min()), chunk)
-        for a, b in zip(bounds, bounds[1:]):
+        a = start
+        while a < T:
+            b = chunk_end(a, T, int(rows.min()), chunk() if callable(chunk) else chunk)
             cache.length = a
             yield ForwardCall(call.tokens[:, a:b], positions[a:b], cache, None, rows - a if b == T else rows[:0])
+            a = b
     return start, calls()
 
 

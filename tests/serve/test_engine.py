@@ -170,19 +170,28 @@ def test_the_minilade_command_serves(capsys):
     assert caught.value.code == 2 and "--max-concurrent must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("chunk", [4, 7])
-def test_a_prompt_is_read_in_passes_of_prefill_chunk_rows(llm, chunk):
-    """--prefill-chunk: a prompt of 20 tokens feeds the passes `chunk` rows at a time, and the answer is the one a
-    whole prefill gives."""
+@pytest.mark.parametrize("chunk, parts", [(4, [4, 4, 4, 4, 4]), (7, [7, 7, 6])])
+def test_a_prompt_is_read_in_chunks_while_others_run_and_whole_alone(llm, chunk, parts):
+    """--prefill-chunk: beside a running request, a prompt of 20 tokens feeds the passes `chunk` rows at a time;
+    alone, in one pass (PREFILL_ALONE rows); either way the answer is the one a whole prefill gives."""
     engine = Engine(llm, prefill_chunk=chunk)
+    fed = []  # (job, rows) of every forward call
+    forward = engine.forward
+    engine.forward = lambda slot, call: (fed.append((slot.job, call.tokens.shape[1])), forward(slot, call))[1]
     engine.start()
     prompt = [(7 * i) % 40 + 3 for i in range(20)]
-    submitted, events = job(prompt, max_new_tokens=3)
-    engine.submit(submitted)
-    kind, generation = outcome(events)
-    engine.stop()
-    assert kind == "done"
-    passes = engine.metrics._values["minilade_forward_passes_total", ()]
-    assert passes == -(-20 // chunk) + len(generation.token_ids) - 1  # the prompt's chunks, then one pass a token
     expected = llm.generate(prompt, max_new_tokens=3, temperature=0, strategy="autoregressive").token_ids
-    assert generation.token_ids == expected
+
+    alone, events = job(prompt, max_new_tokens=3)
+    engine.submit(alone)
+    assert outcome(events)[1].token_ids == expected
+    running, running_events = job([5, 6, 7], max_new_tokens=64)
+    engine.submit(running)
+    assert running_events.get(timeout=60)[0] == "piece"  # it decodes while the next prompt is read
+    beside, events = job(prompt, max_new_tokens=3)
+    engine.submit(beside)
+    assert outcome(events)[1].token_ids == expected
+    outcome(running_events)
+    engine.stop()
+    assert [rows for j, rows in fed if j is alone and rows > 1] == [20]
+    assert [rows for j, rows in fed if j is beside and rows > 1] == parts
