@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -259,7 +260,7 @@ class Engine:
                 for slot in slots:
                     slot.call = None
                 runner = self._latest if self._latest in calls else calls[-1]
-            runner.runs = lambda: self._run_pass(slots, calls)
+            runner.runs = functools.partial(self._run_pass, slots, calls)
             runner.done.set()
 
     def _ready(self) -> bool:

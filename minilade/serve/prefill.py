@@ -117,14 +117,6 @@ def chunk_end(a: int, T: int, first_logits_row: int, chunk: int) -> int:
     return T if b > first_logits_row else b
 
 
-def chunk_bounds(start: int, T: int, first_logits_row: int, chunk: int = PREFILL_CHUNK) -> list[int]:
-    """Where the passes of a prefill of rows [start, T) begin, then T, at `chunk` rows a pass (chunk_end)."""
-    bounds = [start]
-    while bounds[-1] < T:
-        bounds.append(chunk_end(bounds[-1], T, first_logits_row, chunk))
-    return bounds
-
-
 def prefill_calls(call: ForwardCall, hit: Hit | None, chunk: int | Callable[[], int] = PREFILL_CHUNK
                   ) -> tuple[int, Iterator[ForwardCall]]:
     """The prefill's call as the calls to run instead, and how many prompt rows come from `hit`: its rows copied

@@ -7,8 +7,15 @@ import torch
 
 from minilade.device import make_exact
 from minilade.serve.batched import ForwardCall
-from minilade.serve.prefill import MIN_REUSE, PrefixCache, chunk_bounds, prefill_calls, splits_exactly
+from minilade.serve.prefill import MIN_REUSE, PrefixCache, chunk_end, prefill_calls, splits_exactly
 from tests.helpers import tiny_model
+
+
+def chunk_bounds(start: int, T: int, first_logits_row: int, chunk: int) -> list[int]:
+    bounds = [start]
+    while bounds[-1] < T:
+        bounds.append(chunk_end(bounds[-1], T, first_logits_row, chunk))
+    return bounds
 
 
 def test_chunk_bounds_keep_the_logits_rows_in_the_last_pass():
