@@ -71,6 +71,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.requests < 1 or args.rounds < 1 or args.max_tokens < 1:
         raise UsageError("--requests, --rounds and --max-tokens must be at least 1")
+    if args.shapes_keys < 0:
+        raise UsageError("--shapes-keys must be 0 (skip) or more")
     return args
 
 

@@ -41,3 +41,5 @@ def test_summary_arithmetic() -> None:
 def test_bad_counts_are_one_line(stderr_line) -> None:
     assert serve_trace.main(["--requests", "0"]) == 2
     assert "--requests" in stderr_line()
+    assert serve_trace.main(["--shapes-keys", "-1"]) == 2
+    assert "--shapes-keys" in stderr_line()
