@@ -70,16 +70,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_prompts(args: argparse.Namespace) -> tuple[list[str], bool]:
-    file, text, chat = SETS[args.set]
-    path = args.data / file
+def set_prompts(data: Path, name: str) -> tuple[list[str], bool]:
+    """Every prompt text of the set, and whether it goes through the chat template."""
+    file, text, chat = SETS[name]
+    path = data / file
     if not path.is_file():
         raise SystemExit(f"error: {path} not found (give --data, the folder holding {file})")
+    return [text(json.loads(line)) for line in path.read_text().splitlines() if line.strip()], chat
+
+
+def load_prompts(args: argparse.Namespace) -> tuple[list[str], bool]:
+    texts, chat = set_prompts(args.data, args.set)
     needed = sum(args.clients) * args.prompts_per_client
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if len(records) < needed:
-        raise SystemExit(f"error: {path} has {len(records)} prompts; the run needs {needed}")
-    return [text(r) for r in records[:needed]], chat
+    if len(texts) < needed:
+        raise SystemExit(f"error: {args.data / SETS[args.set][0]} has {len(texts)} prompts; the run needs {needed}")
+    return texts[:needed], chat
 
 
 class Server:

@@ -22,7 +22,6 @@ alone, as a call with drafts does), each call's cache holding about K keys, shap
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
@@ -45,13 +44,14 @@ from .common import (
     DEFAULT_OUT_DIR,
     UsageError,
     command_line,
+    describe_machine,
     environment,
     fmt,
     progress,
     run_job,
     write_json,
 )
-from .serve import SETS
+from .serve import SETS, set_prompts
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -183,18 +183,14 @@ def pass_shapes(llm: LLM, keys: int, rounds: int = 7) -> dict[str, float]:
 
 def main_job(argv: list[str]) -> int:
     args = parse_args(argv)
-    file, text, chat = SETS[args.set]
-    path = args.data / file
-    if not path.is_file():
-        raise UsageError(f"{path} not found (give --data, the folder holding {file})")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    texts = [text(r) for r in records[args.first:args.first + args.requests]]
+    every, chat = set_prompts(args.data, args.set)
+    texts = every[args.first:args.first + args.requests]
     if len(texts) < args.requests:
-        raise UsageError(f"{path} has {len(records)} prompts; --first {args.first} --requests {args.requests} "
-                         f"needs {args.first + args.requests}")
+        raise UsageError(f"the {args.set} set has {len(every)} prompts; --first {args.first} --requests "
+                         f"{args.requests} needs {args.first + args.requests}")
     env = environment()
     print(f"command: {command_line('scripts.bench.serve_trace', argv)}")
-    print(f"cpu: {env['cpu']}; flags: {' '.join(env['cpu_flags'])}; torch threads {env['threads']}")
+    print(describe_machine(env))
     llm = LLM.load(args.ckpt, progress=False)
     costs = step_costs_for(llm.model, COST_SIZES, kept_tables_dir() / "step_costs.json")
     prompts = [llm.encode(t, chat=chat) for t in texts]
