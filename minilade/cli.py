@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_strategy_options(s)
     d = p.add_argument_group("hardware")
     d.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (CUDA only)")
-    d.add_argument("--quantize", choices=["auto", "none", "int8", "int4"], default="auto",
+    d.add_argument("--quantize", choices=["auto", "none", "int8", "int4", "w7a8"], default="auto",
                    help="keep weights quantized (CPU): linear layers int8 per channel or int4 in groups, "
                         "the embedding int8 in groups of 32. auto (default): int4 with --dtype auto when a GGUF "
                         "file keeps its weights in 4-bit codes (taken as they are), else none")

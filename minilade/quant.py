@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODES = ("int8", "int4")
+from .integer_linear import W7A8Linear, w7a8_missing
+
+MODES = ("int8", "int4", "w7a8")  # w7a8: integer matmuls, integer_linear.py
 GROUP_SIZES = (32, 64, 128, 256)  # the only groups _weight_int4pack_mm_for_cpu accepts
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # float32: exact scales, but the kernels' slow scalar path
 INT4_OFFSET = 8  # the kernel reads a 4-bit code c in [0, 15] as the signed value c - 8
@@ -167,6 +169,8 @@ def quantize_weight(weight: torch.Tensor, mode: str, group_size: int,
 def check_options(mode: str, group_size: int) -> None:
     if mode not in MODES:
         raise ValueError(f"unknown quantization {mode!r}; choose from {', '.join(MODES)}")
+    if mode == "w7a8" and w7a8_missing():
+        raise ValueError(f"w7a8 cannot run here: {w7a8_missing()}; choose int8 or int4")
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}; got {group_size!r}")
 
@@ -324,10 +328,12 @@ def linear_modules(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Modul
 def quantize_linears(model: nn.Module, mode: str = "int4", group_size: int = 32, *,
                      weights: Mapping[str, QuantizedWeight] | None = None, kernel_dtype: torch.dtype = torch.bfloat16,
                      dense_from_rows: int | None = None) -> nn.Module:
-    """Replace every float linear layer of a CPU model by a QuantizedLinear, in place; returns the model.
+    """Replace every float linear layer of a CPU model by a QuantizedLinear (a W7A8Linear for mode "w7a8"), in
+    place; returns the model.
 
     weights: already-quantized weights by module name (e.g. "layers.0.attention.wqkv", from GGUF blocks, see
-    checkpoints/gguf_quant.py), used instead of quantizing that layer's float weight. Raises ValueError for an
+    checkpoints/gguf_quant.py), used instead of quantizing that layer's float weight (w7a8 rounds their
+    dequantized values to its own codes, so a GGUF file's layers need not be read as floats). Raises ValueError for an
     unknown mode or group size, a non-CPU model, or an int4 layer whose in_features the group does not divide.
     """
     check_options(mode, group_size)
@@ -340,21 +346,27 @@ def quantize_linears(model: nn.Module, mode: str = "int4", group_size: int = 32,
         if name in weights and tuple(weights[name].codes.shape) != tuple(child.weight.shape):
             raise ValueError(f"{name}: given weight has shape {tuple(weights[name].codes.shape)}, "
                              f"the layer {tuple(child.weight.shape)}")
-        if name not in weights:
+        if name not in weights and mode != "w7a8":
             try:
                 weights[name] = quantize_weight(child.weight, mode, group_size, kernel_dtype)
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
     for name, parent, attr, child in linears:
-        layer = QuantizedLinear(weights[name], child.bias, kernel_dtype=kernel_dtype, dense_from_rows=dense_from_rows)
+        if mode == "w7a8":
+            layer = W7A8Linear(weights[name].dequantize() if name in weights else child.weight, child.bias)
+        else:
+            layer = QuantizedLinear(weights[name], child.bias, kernel_dtype=kernel_dtype,
+                                    dense_from_rows=dense_from_rows)
         setattr(parent, attr, layer)
     return model
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers, each storage counted once (tied weights share one)."""
+    """Bytes of the model's parameters and buffers, each storage counted once (tied weights share one), and of
+    the weights w7a8 layers keep packed outside them."""
     storages = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    packed = sum(m.weight_bytes() for m in model.modules() if isinstance(m, W7A8Linear))
+    return sum(storages.values()) + packed

@@ -168,7 +168,7 @@ def test_padded_vocabulary_never_yields_an_undecodable_id(tmp_path: Path) -> Non
         assert max(out.token_ids) < n_tokens
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w7a8"])
 def test_quantized_lookahead_equals_quantized_plain_decoding(tiny_checkpoint: Path, mode: str) -> None:
     common = ["a b c d", "--ckpt", str(tiny_checkpoint), "--json", "--max-new-tokens", "12", "--quantize", mode]
     plain = run_cli(*common, "--strategy", "autoregressive")

@@ -1,0 +1,105 @@
+"""Linear layers whose matmul is integer arithmetic ("w7a8"): weights as 7-bit codes with a scale per output
+channel, each input row rounded to 8-bit codes with a scale of its own, multiplied on fbgemm's u8 x s8 kernel,
+the one PyTorch ships for x86 CPUs (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`).
+
+For a row x (K,) and an output channel n:
+
+    s_x = max|x| / 127              q_x = round(x / s_x)       integers in [-127, 127]
+    s_w[n] = max|w[n]| / 63         q_w[n] = round(w[n] / s_w[n])   integers in [-63, 63]
+    y[n] = (float(sum_k q_x[k] * q_w[n, k]) * s_w[n]) * s_x
+
+Why this shape of quantization:
+- The sum is over integers and exact in any order, so a row's result cannot depend on which other rows share the
+  call, nor on how the kernel blocks them: the layer is batch-invariant by construction, the property lookahead's
+  exactness rests on (device.make_exact still checks the whole model at load). Each row's scale comes from that
+  row alone (a maximum, exact in any order).
+- Extra rows are cheap. The kernel multiplies 32 byte pairs per instruction: over all of the demo model's layers
+  (AVX2, 2 threads) 8 rows cost 1.2x one row in it, 32 rows 3.7x, where torch's int4 kernel (quant.py) costs
+  2.4x and 9.7x, at the same one-row time (scripts/bench/quant.py --parts layers compares them layer by layer).
+  Wide steps (lookahead's drafts, a server's batched requests) are what this buys. Rounding each row's
+  activations costs a few small operations a layer, about 6 ms a one-row step of the demo model.
+- Weights get 7 bits, not 8: without AVX512-VNNI the kernel adds pairs of u8 x s8 products in 16 bits with
+  saturation, which 8-bit activations (stored as u8 with zero point 128: at most 255) times 8-bit weights overflow
+  (2 x 255 x 127 > 32767) and 7-bit weights do not (2 x 255 x 64 = 32640). 8-bit activations with 7-bit weights
+  measured closer to the float model than the other way round (docs/benchmarks.md: perplexity).
+- The sum stays exact in float32 up to K = 2^24 / (128 x 64) = 2048 inputs; a longer row rounds it once, the same
+  way at every row count.
+Memory: one byte a weight (the int4 layers of quant.py take about 0.6). The packed weight is fbgemm's own object,
+not a tensor: it is not in the module's state_dict.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+WEIGHT_LEVELS = 63       # weight codes in [-63, 63]
+ACTIVATION_LEVELS = 127  # activation codes in [-127, 127], handed to the kernel as u8 with zero point 128
+ZERO_POINT = 128
+_KERNEL = "linear_with_input_q_dq_qweight_dq_output_fp32"
+TINY = torch.finfo(torch.float32).tiny
+
+
+def w7a8_missing() -> str | None:
+    """Why w7a8 layers cannot run here (no fbgemm kernel in this PyTorch build or on this CPU), or None."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return "this PyTorch build has no fbgemm (x86) quantized engine"
+    if not hasattr(torch.ops.quantized, _KERNEL):
+        return f"this PyTorch build has no quantized::{_KERNEL} kernel"
+    return None
+
+
+def w7a8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (N, K) float -> codes (N, K) int8 in [-63, 63] and scales (N,) float32: symmetric round-to-nearest
+    per output channel."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / WEIGHT_LEVELS).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = torch.round(w / scales[:, None]).clamp_(-WEIGHT_LEVELS, WEIGHT_LEVELS).to(torch.int8)
+    return codes, scales
+
+
+class W7A8Linear(nn.Module):
+    """y = x @ W.T + b with W in 7-bit codes and each row of x rounded to 8-bit codes (see the module docstring).
+
+    x: (..., K) in any float dtype, computed in float32; y: (..., N) in x's dtype. A row's result depends only on
+    that row."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        missing = w7a8_missing()
+        if missing:
+            raise ValueError(f"w7a8 layers need fbgemm: {missing}")
+        self.out_features, self.in_features = weight.shape
+        codes, scales = w7a8_codes(weight)
+        with warnings.catch_warnings():  # quantized tensors are deprecated as a user-facing type, not the kernel
+            warnings.simplefilter("ignore")
+            qweight = torch._make_per_channel_quantized_tensor(codes, scales.double(),
+                                                               torch.zeros_like(scales, dtype=torch.long), 0)
+            self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.kernel = getattr(torch.ops.quantized, _KERNEL).default  # looked up once: it costs microseconds a call
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    quantized_as = "w7a8"  # part of the keys under which step costs and exactness verdicts are kept
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dtype == torch.float32 else x.float()  # (..., K); the kernel takes any leading dims
+        # In-place where possible: at one row these few small operations cost as much as the matmul itself.
+        scale = rows.abs().amax(dim=-1, keepdim=True).clamp_min_(TINY).div_(ACTIVATION_LEVELS)
+        codes = rows.div(scale).round_()  # integers in [-127, 127], which the kernel takes as they are (scale 1)
+        y = self.kernel(codes, 1.0, ZERO_POINT, self.packed).mul_(scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def weight_codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed weight read back: codes (N, K) int8 and scales (N,) float32."""
+        qweight, _ = torch.ops.quantized.linear_unpack(self.packed)
+        return qweight.int_repr(), qweight.q_per_channel_scales().float()
+
+    def weight_bytes(self) -> int:
+        return self.out_features * self.in_features + 4 * self.out_features
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, w7a8"

@@ -1,0 +1,154 @@
+"""w7a8 layers (minilade.integer_linear): the integer arithmetic they claim, bit for bit, rows independent of the
+call, exact lookahead on a w7a8 tiny model, closeness to the float model, loading, the measured choice between
+int4 and w7a8 (device.choose_quantization) and bad options."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from minilade import device, quant
+from minilade.compiled import choose_steps
+from minilade.decoding import Autoregressive, Lookahead
+from minilade.device import Invariance
+from minilade.integer_linear import ACTIVATION_LEVELS, WEIGHT_LEVELS, W7A8Linear, w7a8_codes, w7a8_missing
+from minilade.quant import Int4Weight, QuantizedEmbedding, quantize_embedding, quantize_linears, weight_bytes
+from tests.helpers import run_tokens, tiny_model
+
+pytestmark = pytest.mark.skipif(w7a8_missing() is not None, reason=f"no w7a8 kernel: {w7a8_missing()}")
+
+
+def hostile_weight(n: int = 48, k: int = 96, seed: int = 0) -> torch.Tensor:
+    """Random rows, plus rows of one sign at full scale: with 8-bit weights these would overflow the kernel's
+    16-bit pair sums against full-scale activations (2 x 255 x 127 > 32767)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen)
+    w[0], w[1] = 1.0, -1.0
+    w[2, ::2], w[2, 1::2] = 1.0, -1.0
+    return w
+
+
+def hostile_rows(m: int, k: int = 96, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-6, 7, (m, 1), generator=gen).float())
+    x[0], x[1] = 3.0, -3.0
+    x[2, ::2], x[2, 1::2] = 2.0, -2.0
+    x[3] = 0.0
+    return x
+
+
+def test_layer_is_the_integer_product_of_the_codes_bitwise() -> None:
+    w, x = hostile_weight(), hostile_rows(40)
+    layer = W7A8Linear(w)
+    codes, scales = w7a8_codes(w)
+    assert codes.abs().max() == WEIGHT_LEVELS
+    read_codes, read_scales = layer.weight_codes()
+    assert torch.equal(read_codes, codes) and torch.equal(read_scales, scales)
+    row_scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / ACTIVATION_LEVELS
+    integers = torch.round(x / row_scale).long()
+    assert integers.abs().max() == ACTIVATION_LEVELS
+    want = ((integers @ codes.long().T).float() * scales) * row_scale
+    assert torch.equal(layer(x), want)
+    assert torch.equal(layer(x[3:4]), torch.zeros(1, 48))  # a zero row stays zero (no 0/0)
+
+
+def test_rows_do_not_depend_on_how_many_rows_the_call_has() -> None:
+    layer, x = W7A8Linear(hostile_weight(k=1536)), hostile_rows(64, k=1536)
+    whole = layer(x)
+    for m in list(range(1, 17)) + [31, 32, 33, 63]:
+        for at in (0, 64 - m):
+            assert torch.equal(layer(x[at:at + m]), whole[at:at + m]), (m, at)
+
+
+def test_bias_and_dtypes_round_trip() -> None:
+    w, bias, x = hostile_weight(), torch.randn(48), hostile_rows(5)
+    layer = W7A8Linear(w, bias)
+    assert torch.equal(layer(x), W7A8Linear(w)(x) + bias)
+    assert layer(x.bfloat16().view(5, 1, 96)).dtype == torch.bfloat16
+    assert layer(x.view(5, 1, 96)).shape == (5, 1, 48)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_lookahead_equals_autoregressive_under_w7a8(dtype: torch.dtype) -> None:
+    model = quantize_embedding(quantize_linears(tiny_model(preset="tiny-mha", seed=3, dtype=dtype), "w7a8"))
+    assert sum(isinstance(m, W7A8Linear) for m in model.modules()) == 4 * model.config.n_layers + 1
+    prompt = [1, 2, 3, 4, 1, 2, 3]
+    plain, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=40)
+    ahead, run = run_tokens(model, prompt, Lookahead(window=4, ngram=3, guesses=4), max_new_tokens=40)
+    assert ahead == plain
+    assert run.stats.steps < 39  # wide steps computed tokens too
+
+
+def test_w7a8_model_is_close_to_the_float_model_and_smaller() -> None:
+    model = tiny_model(preset="tiny-gqa", std=0.1)  # dim 48: no group constraint for w7a8
+    quantized = quantize_linears(copy.deepcopy(model), "w7a8")
+    tokens = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        want = model(tokens, torch.arange(5), model.new_cache(8))
+        got = quantized(tokens, torch.arange(5), quantized.new_cache(8))
+    assert (got - want).abs().max() < 0.1 * want.abs().max()  # 7-bit weights: 3.5% measured; miswired: ~100%
+    layers = [m for m in quantized.modules() if isinstance(m, W7A8Linear)]
+    floats = sum(m.out_features * m.in_features * 4 for m in layers)
+    if model.output.weight is model.tok_embeddings.weight:  # a tied head's floats stay, as the embedding
+        floats -= model.output.weight.numel() * 4
+    packed = sum(m.out_features * (m.in_features + 4) for m in layers)
+    assert weight_bytes(quantized) == weight_bytes(model) - floats + packed
+
+
+def test_given_int4_codes_are_taken_by_their_values() -> None:
+    """A GGUF file's Q4 layers reach w7a8 as Int4Weight codes, never read as floats: the layer rounds their
+    dequantized values, as it would the same floats."""
+    model = tiny_model(preset="tiny-mha")
+    name = "layers.0.feed_forward.w_down"
+    given = Int4Weight.from_float(model.get_submodule(name).weight, 32)
+    quantize_linears(model, "w7a8", weights={name: given})
+    codes, _ = model.get_submodule(name).weight_codes()
+    assert torch.equal(codes, w7a8_codes(given.dequantize())[0])
+
+
+def test_compiling_a_w7a8_model_says_why_it_stays_eager() -> None:
+    model = quantize_linears(tiny_model(preset="tiny-mha"), "w7a8")
+    said = choose_steps(model)
+    assert said.startswith("eager steps (") and model.step_runner is None
+
+
+def test_missing_kernel_is_a_one_line_value_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quant, "w7a8_missing", lambda: "no fbgemm here")
+    with pytest.raises(ValueError, match=r"^w7a8 cannot run here: no fbgemm here; choose int8 or int4$"):
+        quantize_linears(tiny_model(preset="tiny-mha"), "w7a8")
+
+
+def fake_costs(faster: str):
+    """measure_step_costs as if `faster`'s layers stepped in half the time."""
+    def measure(model, rows, **_):
+        w7a8 = any(isinstance(m, W7A8Linear) for m in model.modules())
+        return {r: (1.0 if (faster == "w7a8") == w7a8 else 2.0) for r in rows}
+    return measure
+
+
+@pytest.mark.parametrize("faster", ["int4", "w7a8"])
+def test_choose_quantization_takes_the_faster_exact_mode_and_keeps_the_choice(
+        faster: str, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setattr(device, "measure_step_costs", fake_costs(faster))
+    check_file = tmp_path / "invariance.json"
+    chosen, said = device.choose_quantization(tiny_model(preset="tiny-mha"), {}, ("int4", "w7a8"), check_file)
+    assert any(isinstance(m, W7A8Linear) for m in chosen.modules()) == (faster == "w7a8")
+    assert isinstance(chosen.tok_embeddings, QuantizedEmbedding) and said.startswith(f"{faster} measured fastest")
+
+    def unmeasured(*_, **__):
+        raise AssertionError("a kept choice is not measured again")
+    monkeypatch.setattr(device, "measure_step_costs", unmeasured)
+    again, _ = device.choose_quantization(tiny_model(preset="tiny-mha"), {}, ("int4", "w7a8"), check_file)
+    assert any(isinstance(m, W7A8Linear) for m in again.modules()) == (faster == "w7a8")
+
+
+def test_choose_quantization_skips_a_mode_that_is_not_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(device, "measure_step_costs", fake_costs("w7a8"))
+    real = device.make_exact
+    monkeypatch.setattr(device, "make_exact", lambda model, path=None, warn=True: (
+        Invariance(False, {}) if any(isinstance(m, W7A8Linear) for m in model.modules())
+        else real(model, path, warn=warn)))
+    chosen, said = device.choose_quantization(tiny_model(preset="tiny-mha"), {}, ("int4", "w7a8"))
+    assert not any(isinstance(m, W7A8Linear) for m in chosen.modules()) and said.startswith("int4")
