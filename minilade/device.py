@@ -34,6 +34,7 @@ from .invariance import (
 from .masks import interleaved_step
 from .memo import read_table, write_entry
 from .model import Transformer
+from .quant import quantize_embedding, quantize_linears
 
 
 def default_device() -> torch.device:
@@ -262,6 +263,40 @@ def choose_dtype(model: Transformer, check_file: str | Path | None = None,
     if check_file is not None:
         write_entry(check_file, chosen_key, str(best.dtype))
     return best
+
+
+def choose_quantization(model: Transformer, blocks: dict, modes: tuple[str, ...],
+                        check_file: str | Path | None = None) -> tuple[Transformer, str]:
+    """The model with its linear layers quantized in whichever of `modes` (e.g. int4 and w7a8, quant.py) steps
+    fastest on this CPU while passing the exactness check, measured: the model quantized each way (taking
+    `blocks`, a file's codes by module name, as quantize_linears takes them; the embedding in int8 groups), made
+    exact, then timed on a one-row and an 8-row step after 128 tokens (the widths auto feeds most). The choice is
+    kept in check_file ("<key>|quantize"), so that a later load quantizes one way only. Returns the model and a
+    few words on the choice."""
+    def quantized(mode: str, source: Transformer) -> Transformer:
+        quantize_linears(source, mode, 32, weights=blocks)
+        return quantize_embedding(source, blocks.get("tok_embeddings"))
+
+    chosen_key = cost_key(model) + "|quantize"
+    chosen = (read_table(check_file) or {}).get(chosen_key) if check_file is not None else None
+    if chosen in modes:
+        candidate = quantized(chosen, model)
+        if make_exact(candidate, check_file, warn=False).exact:
+            return candidate, f"{chosen} measured fastest of {'/'.join(modes)} here"
+    seconds: dict[str, float] = {}
+    candidates = {}
+    for i, mode in enumerate(modes):
+        candidates[mode] = candidate = quantized(mode, model if i == len(modes) - 1 else copy.deepcopy(model))
+        if make_exact(candidate, check_file, warn=False).exact:
+            seconds[mode] = sum(measure_step_costs(candidate, (1, 8), context=128, repeats=2).values())
+    if not seconds:  # none is exact: the first, and make_exact says so
+        make_exact(candidates[modes[0]], check_file)
+        return candidates[modes[0]], modes[0]
+    best = min(seconds, key=seconds.__getitem__)
+    if check_file is not None:
+        write_entry(check_file, chosen_key, best)
+    timing = " against ".join(f"{mode} {1e3 * s:.0f} ms" for mode, s in seconds.items())
+    return candidates[best], f"{best} measured fastest of {'/'.join(modes)} here (a 1- and an 8-row step: {timing})"
 
 
 def _fastest_exact(model: Transformer, check_file: str | Path | None, candidates) -> Transformer | None:

@@ -32,7 +32,8 @@ from .checkpoints.resolve import CHECK_TABLE, COST_TABLE, kept_tables_dir
 from .decoding import Auto, GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens, make_strategy
 from .decoding.loop import cache_for
 from .decoding.step_costs import quantized_layers
-from .device import choose_dtype, default_device, make_exact, resolve_dtype
+from .device import choose_dtype, choose_quantization, default_device, make_exact, resolve_dtype
+from .integer_linear import w7a8_missing
 from .kv_cache import KVCache
 from .model import Transformer
 from .parallel import from_rank0, load_shard
@@ -97,8 +98,11 @@ class LLM:
         quantize: "int8" (per output channel) or "int4" (groups of group_size inputs) keeps the linear layers
         quantized (CPU only, bfloat16 inside the layer, see quant.py), and the token embedding as int8 in groups
         of 32; int4 in groups of 32 takes a GGUF file's Q4_0/Q4_1 codes as they are, and the embedding its Q8_0
-        codes. "auto" (the default): int4 when dtype is auto and a GGUF file keeps weights in Q4_0/Q4_1 codes (the
-        file's own rounding, nothing more), else nothing quantized. None: nothing quantized.
+        codes. "w7a8": 7-bit weights per output channel and 8-bit activations per row in integer matmuls (x86,
+        integer_linear.py), whose extra rows cost little. "auto" (the default): when dtype is auto and a GGUF
+        file keeps weights in Q4_0/Q4_1 codes, int4 (the file's own rounding, nothing more) or w7a8 from those
+        codes, whichever steps faster here (measured once, kept in tables), else nothing quantized. None: nothing
+        quantized.
         compile: run the decoding steps as compiled graphs (compiled.py, CPU): "auto" where they pass the
         exactness check and measure faster than eager steps on this machine (kept in tables), True whenever they
         pass the check, False (the default) never: even with inductor's cache on disk, a process spends some 12 s
@@ -124,9 +128,11 @@ class LLM:
         metadata = checkpoint.source.metadata if checkpoint.format == "gguf" else None
         tokenizer = Tokenizer.from_checkpoint(checkpoint.path, gguf_metadata=metadata)
         defaults = read_generation_defaults(checkpoint.path)
-        if quantize == "auto":
-            quantize, group_size = ("int4", 32) if measure_dtype and has_int4_codes(checkpoint) else (None, 32)
-        blocks = (gguf_codes(checkpoint, meta_model(checkpoint.config), tokenizer.vocab_size, quantize, group_size)
+        if quantize == "auto":  # a file's int4 codes: as int4 or as w7a8 layers, whichever measures faster
+            modes = ("int4", "w7a8") if w7a8_missing() is None else ("int4",)
+            quantize, group_size = (modes if measure_dtype and has_int4_codes(checkpoint) else None), 32
+        codes = quantize if isinstance(quantize, str) else "int4"  # w7a8 takes the int4 codes' values too
+        blocks = (gguf_codes(checkpoint, meta_model(checkpoint.config), tokenizer.vocab_size, codes, group_size)
                   if quantize else {})
         # Layers that take the file's codes are never read as floats (the embedding is: a tied head needs it).
         given = {f"{name}.weight" for name in blocks if name != "tok_embeddings"}
@@ -164,19 +170,25 @@ class LLM:
 
     @classmethod
     def prepared(cls, model: Transformer, tokenizer: Tokenizer, name: str, *, exact: bool = True,
-                 measure_dtype: bool = False, tables: Path | None = None, quantize: str | None = None,
+                 measure_dtype: bool = False, tables: Path | None = None,
+                 quantize: str | tuple[str, ...] | None = None,
                  group_size: int = 32, blocks: dict | None = None, compile: bool | str = False) -> LLM:
         """The last steps of loading: the output head cut to the tokenizer's vocabulary; linear layers and the
-        embedding quantized when asked (taking `blocks`, a file's own codes by module name, as they are); the
+        embedding quantized when asked (taking `blocks`, a file's own codes by module name, as they are; a tuple of
+        modes: the fastest exact one, measured, device.choose_quantization); the
         model made exact when `exact` (in the fastest exact dtype when measure_dtype and nothing is quantized, see
         device.choose_dtype), else left with the stock kernels; its steps compiled as `compile` says (see load); what
         that measures is kept in `tables`."""
         drop_padded_logits(model, tokenizer.vocab_size)
-        if quantize is not None:
-            blocks = dict(blocks or {})
-            quantize_linears(model, quantize, group_size, weights=blocks)
-            quantize_embedding(model, blocks.pop("tok_embeddings", None))
         check_file = tables / CHECK_TABLE if tables is not None else None
+        chose = ""
+        if isinstance(quantize, tuple) and exact and len(quantize) > 1:
+            model, chose = choose_quantization(model, dict(blocks or {}), quantize, check_file)
+        elif quantize is not None:
+            blocks = dict(blocks or {})
+            quantize_linears(model, quantize if isinstance(quantize, str) else quantize[0], group_size,
+                             weights=blocks)
+            quantize_embedding(model, blocks.pop("tok_embeddings", None))
         if exact and measure_dtype and quantize is None and model.device.type == "cpu":
             model = choose_dtype(model, check_file)
         elif exact:
@@ -187,7 +199,8 @@ class LLM:
             steps = choose_steps(model, check_file, force=compile is True)
         llm = cls(model, tokenizer, name, tables=tables)
         quantized = quantized_layers(model)
-        llm.setup = f"{str(model.dtype).removeprefix('torch.')}{f' ({quantized})' if quantized else ''}, {steps}"
+        llm.setup = f"{str(model.dtype).removeprefix('torch.')}{f' ({quantized})' if quantized else ''}, {steps}" \
+                    f"{f'; {chose}' if chose else ''}"
         return llm
 
     def _take_cache(self) -> KVCache | None:
@@ -296,13 +309,13 @@ class TextStream:
 
 def gguf_codes(checkpoint: Checkpoint, model: Transformer, n_tokens: int, quantize: str, group_size: int) -> dict:
     """A GGUF file's own codes, by module name, where they map exactly onto the quantized layers asked for: the
-    token embedding's Q8_0 rows (any quantize), and for int4 in groups of 32 the linear layers' Q4_0/Q4_1 tensors,
-    the output head's cut to the tokenizer's vocabulary as drop_padded_logits cuts the float head. Empty for other
-    formats."""
+    token embedding's Q8_0 rows (any quantize), and for int4 in groups of 32 (and w7a8, which rounds their values
+    to its own codes) the linear layers' Q4_0/Q4_1 tensors, the output head's cut to the tokenizer's vocabulary
+    as drop_padded_logits cuts the float head. Empty for other formats."""
     if checkpoint.format != "gguf":
         return {}
     blocks: dict = {}
-    if quantize == "int4" and group_size == 32:
+    if quantize in ("int4", "w7a8") and group_size == 32:  # w7a8 rounds the codes' values to its own
         blocks = gguf_int4_weights(checkpoint.source, [name for name, *_ in linear_modules(model)])
         if "output" in blocks:
             blocks["output"] = map_rows(blocks["output"], lambda rows: rows[:n_tokens])
