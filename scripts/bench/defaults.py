@@ -1,11 +1,12 @@
 """The default configuration against the ones it replaced or could be: greedy, side by side on each prompt.
 
-Configurations (demo model): float32 eager auto (the default before quantize="auto"), the file's int4 codes eager
-(auto and plain decoding: today's default), the same with compiled steps (LLM.load(compile=True)). For each prompt
-set: end-to-end tokens/s (prefill included), medians over prompts of the ratio to float32 eager auto, and on how
-many prompts auto's tokens equal plain decoding's in the same configuration.
+Setups (demo model): float32 eager (the default before quantize="auto"; auto only), the file's int4 codes eager,
+the same with compiled steps (LLM.load(compile=True)), and w7a8 layers (integer matmuls, eager); each but float32
+with auto and plain decoding. For each prompt set: end-to-end tokens/s (prefill included), medians over prompts of
+the ratio to float32 eager auto, and on how many prompts auto's tokens equal plain decoding's in the same setup.
 
     python -m scripts.bench.defaults --data-dir ../shared/data --n-prompts 4 --max-new-tokens 128
+    python -m scripts.bench.defaults --data-dir ../shared/data --setups int4 w7a8   # float32 always runs
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from .one_token_step import cpu_flags
 SETS = {"mt_bench": ("mt_bench.jsonl", lambda r: r["turns"][0], True),
         "humaneval": ("humaneval.jsonl", lambda r: r["prompt"], False),
         "gsm8k": ("gsm8k_test.jsonl", lambda r: r["question"], True)}
+SETUPS = {"float32": dict(dtype="float32", quantize=None), "int4": dict(quantize="int4"),
+          "int4 compiled": dict(quantize="int4", compile=True),
+          "w7a8": dict(quantize="w7a8")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,21 +33,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, required=True)
     p.add_argument("--n-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS))
     args = p.parse_args(argv)
-    f32 = LLM.load(dtype="float32", quantize=None, progress=False)
-    int4 = LLM.load(progress=False)
-    int4_compiled = LLM.load(progress=False, compile=True)
-    configs = {"float32 auto": (f32, "auto"), "int4 auto": (int4, "auto"), "int4 plain": (int4, "autoregressive"),
-               "int4 compiled auto": (int4_compiled, "auto"), "int4 compiled plain": (int4_compiled, "autoregressive")}
-    for llm in (f32, int4, int4_compiled):  # warm-up: step costs measured, graphs traced
+    llms = {name: LLM.load(progress=False, **SETUPS[name]) for name in ["float32", *args.setups]}
+    configs = {"float32 auto": (llms["float32"], "auto")}
+    for name in args.setups:
+        configs.update({f"{name} auto": (llms[name], "auto"), f"{name} plain": (llms[name], "autoregressive")})
+    for llm in llms.values():  # warm-up: step costs measured, graphs traced
         for strategy in ("auto", "autoregressive"):
             llm.generate("Hello", chat=True, max_new_tokens=8, strategy=strategy)
-    print(f"CPU flags: {cpu_flags()}\nsetups: " + " | ".join(llm.setup for llm in (f32, int4, int4_compiled)))
+    print(f"CPU flags: {cpu_flags()}\nsetups: " + " | ".join(f"{n}: {llm.setup}" for n, llm in llms.items()))
     results = {}
     for name, (file, field, chat) in SETS.items():
         lines = (args.data_dir / file).read_text().splitlines()[:args.n_prompts]
         rate = {c: [] for c in configs}
-        same = {"int4": 0, "int4 compiled": 0}
+        same = dict.fromkeys(args.setups, 0)
         for prompt in (field(json.loads(line)) for line in lines):
             tokens = {}
             for c, (llm, strategy) in configs.items():

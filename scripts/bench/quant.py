@@ -5,18 +5,18 @@
 
 Parts (--parts):
   layers   per-layer matmul milliseconds at 1..64 rows on SmolLM2-135M's shapes: dense float32 / bfloat16, int8,
-           int4 (group 32 and 64; 576 columns rule out 128), int4 dequantized on the fly into a float32 matmul;
-           kernels interleaved (quant_layers.py).
+           int4 (group 32 and 64; 576 columns rule out 128), int4 dequantized on the fly into a float32 matmul,
+           w7a8 (integer_linear.py); kernels interleaved (quant_layers.py).
   decode   plain (autoregressive) decoding of the real model: float32 against int8 / int4 with float32 or
-           bfloat16 models around the quantized layers; decode tokens/s (medians of interleaved repeats),
+           bfloat16 models around the quantized layers, and w7a8; decode tokens/s (medians of interleaved repeats),
            weight bytes, and whether lookahead's greedy output equals plain decoding's under the same weights;
            with --compiled, also those contenders' plain decoding through compiled steps (minilade/compiled.py),
            and whether greedy lookahead equals plain decoding through them.
   steps    what a forward pass of T rows costs (minilade's step-cost measurement) for float32, int4 with one
-           kernel per layer (exact) and int4 with a kept dense copy from --dense-from rows on (inexact).
+           kernel per layer (exact), w7a8 and int4 with a kept dense copy from --dense-from rows on (inexact).
   7b       a llama-7b-shaped model with random int4 weights (groups of --big-group) and an int8 embedding, built
            layer by layer without a float copy: memory and decode tokens/s.
-  ppl      perplexity of the real model's float32 weights (its Q4_1 blocks dequantized) against int8 and int4 on
+  ppl      perplexity of the real model's float32 weights (its Q4_1 blocks dequantized) against int8, int4, w7a8 on
            the first --ppl-prompts HumanEval prompts concatenated.
 Writes quant_results.json to --out-dir.
 """
@@ -142,6 +142,7 @@ def variants(llm: LLM, checkpoint: Checkpoint, dense_from: int | None = None) ->
     for mode in ("int8", "int4"):
         models[mode] = quantized = quantized_copy(llm, checkpoint, mode, 32)
         models[f"{mode} bf16 model"] = to_dtype(copy.deepcopy(quantized), torch.bfloat16)
+    models["w7a8"] = quantized_copy(llm, checkpoint, "w7a8", 32)
     if dense_from is not None:
         models[f"int4 dense>={dense_from}"] = quantized_copy(llm, checkpoint, "int4", 32, dense_from_rows=dense_from)
     return {name: as_loaded(model) for name, model in models.items()}
@@ -244,10 +245,11 @@ def agreement(title: str, models: dict[str, Transformer], strategy: Any, prompts
 
 def run_steps(args: argparse.Namespace) -> dict:
     """Milliseconds of one forward pass of T rows after 256 committed tokens (decoding.step_costs), for the
-    float32 model as LLM.load runs it (batch-invariant), int4 exact and int4 with a dense copy."""
+    float32 model as LLM.load runs it (batch-invariant), int4 exact, w7a8 and int4 with a dense copy."""
     llm, checkpoint = load_real(args)
     models = {"float32": as_loaded(copy.deepcopy(llm.model)),
               "int4": as_loaded(quantized_copy(llm, checkpoint, "int4", 32)),
+              "w7a8": as_loaded(quantized_copy(llm, checkpoint, "w7a8", 32)),
               f"int4 dense>={args.dense_from}": as_loaded(quantized_copy(llm, checkpoint, "int4", 32,
                                                                          dense_from_rows=args.dense_from))}
     costs = {name: measure_step_costs(model, LAYER_ROWS, context=256, repeats=args.repeats)

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from minilade.integer_linear import W7A8Linear
 from minilade.quant import Int4Weight, QuantizedLinear, quantize_weight
 
 LAYER_ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -41,6 +42,7 @@ def layer_kernels(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], to
         "int4 g32": QuantizedLinear(quantize_weight(weight, "int4", 32)),
         "int4 g64": QuantizedLinear(quantize_weight(weight, "int4", 64)),
         "int4 on the fly": on_the_fly(quantize_weight(weight, "int4", 32)),
+        "w7a8": W7A8Linear(weight),
     }
 
 

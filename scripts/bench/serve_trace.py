@@ -64,6 +64,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--strategies", nargs="+", default=["autoregressive", "auto"])
     p.add_argument("--ckpt", default=None, help="checkpoint (default: the demo model)")
+    p.add_argument("--quantize", choices=["auto", "int4", "w7a8"], default="auto", help="as the server's")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     p.add_argument("--shapes-keys", type=int, default=0,
                    help="first time passes of fixed shapes over caches of this many keys (0: skip)")
@@ -191,7 +192,8 @@ def main_job(argv: list[str]) -> int:
     env = environment()
     print(f"command: {command_line('scripts.bench.serve_trace', argv)}")
     print(describe_machine(env))
-    llm = LLM.load(args.ckpt, progress=False)
+    llm = LLM.load(args.ckpt, progress=False, quantize=args.quantize)
+    print(f"setup: {llm.setup}")
     costs = step_costs_for(llm.model, COST_SIZES, kept_tables_dir() / "step_costs.json")
     prompts = [llm.encode(t, chat=chat) for t in texts]
     shapes = pass_shapes(llm, args.shapes_keys) if args.shapes_keys else None

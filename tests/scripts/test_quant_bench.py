@@ -30,7 +30,7 @@ def test_decode_and_steps_run_every_contender_batch_invariant(quantizable_checkp
     assert quant.main(argv) == 0
     results = json.loads((tmp_path / "quant_results.json").read_text())
     decode = results["decode"]
-    timed = {"float32", "bfloat16", "int8", "int8 bf16 model", "int4", "int4 bf16 model"}
+    timed = {"float32", "bfloat16", "int8", "int8 bf16 model", "int4", "int4 bf16 model", "w7a8"}
     assert set(decode["table"]) == timed | {"int4 compiled"} and decode["table"]["float32"]["vs_float32"] == 1.0
     assert decode["table"]["int4 compiled"]["tokens_per_s"] > 0
     assert {name: same for name, same in decode["exact"].items() if name in timed} == dict.fromkeys(timed, "1/1")
@@ -60,5 +60,5 @@ def test_ppl_compares_every_contender_with_float32(quantizable_checkpoint: Path,
             "--ppl-prompts", "1", "--out-dir", str(tmp_path)]
     assert quant.main(argv) == 0
     table = json.loads((tmp_path / "quant_results.json").read_text())["ppl"]["table"]
-    assert {"float32", "int8", "int4", "int4 rtn g32"} <= set(table)  # dim 32: no group of 64
+    assert {"float32", "int8", "int4", "w7a8", "int4 rtn g32"} <= set(table)  # dim 32: no group of 64
     assert table["float32"]["vs_float32"] == 0.0 and all(row["ppl"] > 1 for row in table.values())
