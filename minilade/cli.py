@@ -68,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("hardware")
     d.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (CUDA only)")
     d.add_argument("--quantize", choices=["auto", "none", "int8", "int4", "w7a8"], default="auto",
-                   help="keep weights quantized (CPU): linear layers int8 per channel or int4 in groups, "
-                        "the embedding int8 in groups of 32. auto (default): int4 with --dtype auto when a GGUF "
-                        "file keeps its weights in 4-bit codes (taken as they are), else none")
+                   help="keep weights quantized (CPU): linear layers int8 per channel, int4 in groups, or w7a8 "
+                        "(integer matmuls, cheap wide steps); the embedding int8 in groups of 32. auto (default): "
+                        "with --dtype auto and a GGUF file in 4-bit codes, int4 (the codes as they are) or w7a8, "
+                        "whichever measures faster here; else none")
     d.add_argument("--group-size", type=int, default=32, help="int4 group size: 32, 64, 128 or 256")
     d.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, statistics)")

@@ -43,7 +43,7 @@ TINY = torch.finfo(torch.float32).tiny
 
 
 def w7a8_missing() -> str | None:
-    """Why w7a8 layers cannot run here (no fbgemm kernel in this PyTorch build or on this CPU), or None."""
+    """Why w7a8 layers cannot run here (no fbgemm kernel in this PyTorch build), or None."""
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         return "this PyTorch build has no fbgemm (x86) quantized engine"
     if not hasattr(torch.ops.quantized, _KERNEL):
@@ -55,7 +55,7 @@ def w7a8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight (N, K) float -> codes (N, K) int8 in [-63, 63] and scales (N,) float32: symmetric round-to-nearest
     per output channel."""
     w = weight.detach().float()
-    scales = (w.abs().amax(dim=1) / WEIGHT_LEVELS).clamp_min(torch.finfo(torch.float32).tiny)
+    scales = (w.abs().amax(dim=1) / WEIGHT_LEVELS).clamp_min(TINY)
     codes = torch.round(w / scales[:, None]).clamp_(-WEIGHT_LEVELS, WEIGHT_LEVELS).to(torch.int8)
     return codes, scales
 

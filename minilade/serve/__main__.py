@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--device", default=None)
     p.add_argument("--quantize", choices=["auto", "none", "int8", "int4", "w7a8"], default="auto",
-                   help="as the CLI's: auto keeps a GGUF file's own int4 codes when --dtype is auto")
+                   help="as the CLI's: auto takes int4 or w7a8 from a GGUF file's 4-bit codes "
+                                                             "when --dtype is auto, whichever measures faster")
     p.add_argument("--group-size", type=int, default=32)
     p.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes; larger get 413")
     p.add_argument("--prompt-cache-mb", type=int, default=512,
