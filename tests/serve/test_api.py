@@ -136,6 +136,9 @@ def test_disconnect_mid_stream_frees_the_request(server):
 
 
 def test_metrics(server):
+    """Self-contained (tests of this module may run on other workers): one answered and one refused request first."""
+    assert post(server, "/v1/completions", {"prompt": "the cat", "max_tokens": 2}).status_code == 200
+    error_of(post(server, "/v1/chat/completions", {"messages": [], "max_tokens": 4}), 400)
     text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
     assert "# TYPE minilade_forward_passes_total counter" in text
     assert metric(server, "minilade_forward_passes_total") > 0 and metric(server, "minilade_rows_fed_total") > 0
