@@ -36,6 +36,17 @@ KEY_CHUNK = 64  # keys per chunk of attention's reduction; the k-th key a row se
 # the machine it runs on).
 ROW_TILE = 4
 COL_TILE = 16
+# On a CUDA GPU (H200, torch 2.11's cuBLAS) rows and keys in tiles of 4 and 16 still let a row's attention depend on
+# the step's shape; in tiles of 64 rows and 64 keys the whole-model check passes, float32 and bfloat16, LLaMA-7B
+# shapes (measured: scripts/bench/cuda.py). A GPU's matmul costs the same at 1 row as at 64.
+GPU_TILE = 64
+
+
+def attention_tiles(device: torch.device | str) -> tuple[int, int]:
+    """(rows, keys): attention's query rows and (uncut) key slots are padded to multiples of these on a device."""
+    return (ROW_TILE, COL_TILE) if torch.device(device).type == "cpu" else (GPU_TILE, GPU_TILE)
+
+
 LOG2_E = 1.4426950408889634  # attention's scores are scaled by it and exponentiated in base 2
 # Raised whenever the step's kernels change (how they round, or what they cost): what a machine keeps about them
 # (step costs, invariance verdicts: decoding/step_costs.cost_key) is then measured again. 2: base-2 softmax.
@@ -90,7 +101,8 @@ def key_layout(visible: torch.Tensor, past: int, G: int, dtype: torch.dtype, chu
     without the sliding window; None: visible); G query heads per key head; dtype: the model's."""
     T, S = visible.shape
     prefix = sees_a_prefix(visible if counted is None else counted)
-    R, Sp = round_up(G * T, ROW_TILE), round_up(S, chunk if prefix else COL_TILE)
+    row_tile, key_tile = attention_tiles(visible.device)
+    R, Sp = round_up(G * T, row_tile), round_up(S, chunk if prefix else key_tile)
 
     def per_row(keys: torch.Tensor) -> torch.Tensor:  # (R, Sp): G copies of each row, padding rows copy row 0
         keys = keys.repeat(G, 1)
@@ -319,9 +331,9 @@ def find_tiling(weight: torch.Tensor, packed: bool, seed: int = 0) -> RowTiling 
     with the real weight and unscaled inputs passed a one-row kernel of a bfloat16 model that rounded rows of
     the real model differently (AVX512-BF16 CPU, measured: docs/history.md)."""
     gen = torch.Generator().manual_seed(seed)
-    probe_weight = torch.randn(weight.shape, generator=gen).to(weight.dtype)
+    probe_weight = torch.randn(weight.shape, generator=gen).to(weight.device, weight.dtype)
     x = torch.randn(2 * max(PROBE_ROWS), weight.shape[1], generator=gen)
-    x = (x * torch.exp2(torch.randint(-6, 7, x.shape, generator=gen).float())).to(weight.dtype)
+    x = (x * torch.exp2(torch.randint(-6, 7, x.shape, generator=gen).float())).to(weight.device, weight.dtype)
     kernel = linear_kernel(probe_weight, None, prepack(probe_weight) if packed else None)
     with torch.inference_mode():
         for tiling in TILINGS:

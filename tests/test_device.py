@@ -12,7 +12,15 @@ from minilade.config import ModelConfig
 from minilade.decoding import Autoregressive
 from minilade.decoding.lookahead import Lookahead
 from minilade.device import Invariance, choose_dtype, make_exact, resolve_dtype
-from minilade.invariance import ExactAttention, PaddedKVCache, RowTiledLinear
+from minilade.invariance import (
+    COL_TILE,
+    GPU_TILE,
+    ROW_TILE,
+    ExactAttention,
+    PaddedKVCache,
+    RowTiledLinear,
+    attention_tiles,
+)
 from minilade.kv_cache import KVCache
 from minilade.model import SDPAttention, Transformer
 from minilade.quant import quantize_linears
@@ -53,15 +61,31 @@ def test_invariant_lookahead_equals_autoregressive() -> None:
         assert got == expected and run.stats.compression > 1.0
 
 
-def test_make_exact_installs_the_exact_kernel_on_the_cpu_only() -> None:
-    """A bare model runs SDPA over a plain cache; make_exact swaps in the exact kernel and its padded cache. On
-    another device (meta here, CUDA in use) it leaves the stock kernels and says the model is not exact."""
+def test_make_exact_installs_the_exact_kernel() -> None:
+    """A bare model runs SDPA over a plain cache; make_exact swaps in the exact kernel and its padded cache."""
     model = Transformer(ModelConfig.preset("tiny-gqa").replace(vocab_size=50)).init_random().eval()
     assert type(model.attention_kernel) is SDPAttention and type(model.new_cache(8)) is KVCache
-    elsewhere = copy.deepcopy(model).to("meta")
-    assert make_exact(elsewhere) == Invariance(False, {}) and type(elsewhere.attention_kernel) is SDPAttention
     assert make_exact(model).exact
     assert isinstance(model.attention_kernel, ExactAttention) and type(model.new_cache(8)) is PaddedKVCache
+
+
+def test_attention_pads_to_larger_tiles_on_a_gpu() -> None:
+    assert attention_tiles("cpu") == (ROW_TILE, COL_TILE)
+    assert attention_tiles(torch.device("cuda", 1)) == attention_tiles("cuda") == (GPU_TILE, GPU_TILE)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_on_cuda(dtype: torch.dtype) -> None:
+    """On a GPU make_exact passes the whole-model check, and greedy lookahead is plain decoding token for token."""
+    model = Transformer(ModelConfig.preset("tiny-gqa").replace(vocab_size=12)).init_random(seed=2, std=0.3)
+    model = model.to("cuda", dtype).eval()
+    model.setup_rope()
+    assert make_exact(model).exact
+    prompt = [1, 2, 3, 1, 2, 3, 4]
+    expected, _ = run_tokens(model, prompt, Autoregressive(), max_new_tokens=40)
+    got, run = run_tokens(model, prompt, Lookahead(7, 5, 7), max_new_tokens=40)
+    assert got == expected and run.stats.compression > 1.0
 
 
 def test_resolve_dtype() -> None:
