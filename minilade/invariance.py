@@ -49,8 +49,9 @@ def attention_tiles(device: torch.device | str) -> tuple[int, int]:
 
 LOG2_E = 1.4426950408889634  # attention's scores are scaled by it and exponentiated in base 2
 # Raised whenever the step's kernels change (how they round, or what they cost): what a machine keeps about them
-# (step costs, invariance verdicts: decoding/step_costs.cost_key) is then measured again. 2: base-2 softmax.
-KERNELS_VERSION = 2
+# (step costs, invariance verdicts: decoding/step_costs.cost_key) is then measured again. 2: base-2 softmax;
+# 3: reduced-precision matmuls on the CPU on two rows at least (REDUCED_MIN_ROWS).
+KERNELS_VERSION = 3
 PREFILL_ROWS = 256  # a prefill's query rows attend in blocks of this many (CausalPrefill)
 
 
@@ -292,6 +293,10 @@ PROBE_ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64)
 # now and then, which single rows at two offsets missed (bfloat16 on an AVX512-BF16 CPU: caught on 5 of 10 seeds
 # without this check, 20 of 20 with 32 rows alone; measured).
 PROBE_ALONE = 32
+# A one-row bfloat16 matmul on the CPU can round a row as no wider call does, for some inputs only: on a Xeon with
+# AMX (torch 2.11) one logit of a real activation came out other at 1 row than at 2-40 rows, where the probe's
+# random inputs agreed at every count. Reduced-precision weights on the CPU are therefore never called on fewer rows.
+REDUCED_MIN_ROWS = 2
 
 
 def tiled_matmul(x: torch.Tensor, kernel, tiling: RowTiling) -> torch.Tensor:
@@ -337,6 +342,9 @@ def find_tiling(weight: torch.Tensor, packed: bool, seed: int = 0) -> RowTiling 
     kernel = linear_kernel(probe_weight, None, prepack(probe_weight) if packed else None)
     with torch.inference_mode():
         for tiling in TILINGS:
+            if tiling.rows < REDUCED_MIN_ROWS and weight.dtype in (torch.bfloat16, torch.float16) \
+                    and weight.device.type == "cpu":
+                continue
             tiling = RowTiling(tiling.rows, tiling.split, packed)
             whole = tiled_matmul(x, kernel, tiling)
             if (all(torch.equal(tiled_matmul(x[at:at + M], kernel, tiling), whole[at:at + M])

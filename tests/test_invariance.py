@@ -130,7 +130,15 @@ def test_find_tiling_probes_a_random_weight_not_the_real_one(monkeypatch) -> Non
         return kernel
 
     monkeypatch.setattr(invariance, "linear_kernel", kernel_for)
-    assert find_tiling(torch.zeros(48, 32, dtype=torch.bfloat16), packed=False) == RowTiling(2)
+    assert find_tiling(torch.zeros(48, 32), packed=False) == RowTiling(2)  # float32: one row would be allowed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_reduced_precision_weights_never_run_one_row_on_the_cpu(dtype: torch.dtype) -> None:
+    """A one-row bfloat16 call can round some real inputs as no wider call does (AMX Xeon) though the probe's
+    random inputs agree: such weights get at least REDUCED_MIN_ROWS rows whatever the probe finds."""
+    tiling = find_tiling(torch.zeros(48, 32, dtype=dtype), packed=False)
+    assert tiling is not None and tiling.rows >= invariance.REDUCED_MIN_ROWS
 
 
 def test_make_exact_keeps_its_findings_in_a_file(tmp_path, monkeypatch) -> None:
