@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from .decoding.step_costs import cost_key, measure_step_costs
 from .device import check_invariance
-from .integer_linear import W7A8Linear
 from .invariance import (
     KEY_CHUNK,
     LOG2_E,
@@ -207,8 +206,6 @@ def choose_steps(model: Transformer, check_file: str | Path | None = None, *, fo
         return f"eager steps ({missing})"
     if model.device.type != "cpu" or (dist.is_available() and dist.is_initialized()):
         return "eager steps"
-    if any(isinstance(m, W7A8Linear) for m in model.modules()):
-        return "eager steps (torch.compile cannot trace fbgemm's packed weights of w7a8 layers)"
     compile_steps(model)
     if not force and any(m.graph_rows > 1 for m in model.modules() if isinstance(m, RowTiledLinear)):
         model.step_runner = None

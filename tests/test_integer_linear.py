@@ -5,15 +5,22 @@ int4 and w7a8 (device.choose_quantization) and bad options."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
 
-from minilade import device, quant
-from minilade.compiled import choose_steps
+from minilade import device, integer_linear, quant
 from minilade.decoding import Autoregressive, Lookahead
 from minilade.device import Invariance
-from minilade.integer_linear import ACTIVATION_LEVELS, WEIGHT_LEVELS, W7A8Linear, w7a8_codes, w7a8_missing
+from minilade.integer_linear import (
+    ACTIVATION_LEVELS,
+    TINY,
+    WEIGHT_LEVELS,
+    W7A8Linear,
+    w7a8_codes,
+    w7a8_missing,
+)
 from minilade.quant import Int4Weight, QuantizedEmbedding, quantize_embedding, quantize_linears, weight_bytes
 from tests.helpers import run_tokens, tiny_model
 
@@ -108,10 +115,18 @@ def test_given_int4_codes_are_taken_by_their_values() -> None:
     assert torch.equal(codes, w7a8_codes(given.dequantize())[0])
 
 
-def test_compiling_a_w7a8_model_says_why_it_stays_eager() -> None:
-    model = quantize_linears(tiny_model(preset="tiny-mha"), "w7a8")
-    said = choose_steps(model)
-    assert said.startswith("eager steps (") and model.step_runner is None
+def test_the_graph_operator_is_the_layers_kernel_call() -> None:
+    """Inside a compiled graph the layer's matmul is minilade::w7a8_matmul, which finds the layer by its scales
+    (tests/decoding/test_compiled.py compiles it); a layer no longer in use leaves the operator's registry."""
+    layer, x = W7A8Linear(hostile_weight()), hostile_rows(5)
+    scale = x.abs().amax(-1, keepdim=True).clamp_min_(TINY).div_(ACTIVATION_LEVELS)
+    codes = x.div(scale).round_()
+    assert torch.equal(torch.ops.minilade.w7a8_matmul(codes, layer.weight_scales).mul_(scale), layer(x))
+    key = layer.weight_scales.data_ptr()
+    assert integer_linear._LAYERS[key] is layer
+    del layer
+    gc.collect()
+    assert key not in integer_linear._LAYERS
 
 
 def test_missing_kernel_is_a_one_line_value_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,7 +6,7 @@ lookahead step's, eager and compiled interleaved in one process (medians of 7 af
 step against the weight-read floor: the bytes of the model's weights over the memory read bandwidth measured here
 (a sum over a 1 GiB buffer, median of 5).
 
-    python -m scripts.bench.compiled_steps int4     # or float32, bfloat16, int8
+    python -m scripts.bench.compiled_steps int4     # or float32, bfloat16, int8, w7a8
 """
 
 from __future__ import annotations
@@ -63,11 +63,11 @@ def read_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("weights", choices=["float32", "bfloat16", "int8", "int4"])
+    p.add_argument("weights", choices=["float32", "bfloat16", "int8", "int4", "w7a8"])
     p.add_argument("--ckpt", default=None, help="default: the demo model")
     args = p.parse_args(argv)
     dtype = "bfloat16" if args.weights == "bfloat16" else "float32"
-    quantize = args.weights if args.weights in ("int8", "int4") else None
+    quantize = args.weights if args.weights in ("int8", "int4", "w7a8") else None
     llm = LLM.load(args.ckpt, dtype=dtype, quantize=quantize, progress=False)
     start = time.perf_counter()
     model = compile_steps(llm.model)

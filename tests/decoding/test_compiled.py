@@ -24,19 +24,20 @@ pytestmark = pytest.mark.xdist_group("compiled")
 
 
 def compiled_model(kind: str, sliding_window: int = 0) -> Transformer:
-    """A tiny model made exact (device.make_exact) with compiled steps: float32, bfloat16, int8 or int4 layers."""
+    """A tiny model made exact (device.make_exact) with compiled steps: float32, bfloat16, int8, int4 or w7a8
+    layers."""
     config = ModelConfig.preset("tiny-gqa").replace(vocab_size=32, dim=64, head_dim=16, intermediate_size=128,
                                                     sliding_window=sliding_window)  # int4 groups of 32 inputs
     model = Transformer(config).init_random(seed=3, std=0.3).eval()
     if kind == "bfloat16":
         model = model.to(torch.bfloat16)
-    elif kind in ("int8", "int4"):
+    elif kind in ("int8", "int4", "w7a8"):
         quantize_embedding(quantize_linears(model, kind, 32))
     assert make_exact(model).exact
     return compile_steps(model)
 
 
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int4", "w7a8"])
 def test_compiled_rows_are_the_same_at_every_row_count(kind: str) -> None:
     """A token's logits through compiled steps are bitwise the same in a one-row step, a causal multi-row step
     and a lookahead step's interleaved rows (the load-time check, run through the compiled graphs)."""
@@ -81,7 +82,7 @@ def test_chunked_attention_is_invariant_attention() -> None:
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("kind", ["float32", "int4"])
+@pytest.mark.parametrize("kind", ["float32", "int4", "w7a8"])
 def test_greedy_lookahead_and_auto_equal_plain_decoding_through_compiled_steps(kind: str) -> None:
     model = compiled_model(kind)
     runs = checked_runs(model, seed=1, strategies=[Lookahead(4, 3, 3), Auto(4, 3, 3, costs=FLAT_COSTS)], trials=2)
