@@ -105,8 +105,21 @@ class W7A8Linear(nn.Module):
             self.packed = torch.ops.quantized.linear_prepack(qweight, None)
         self.kernel = getattr(torch.ops.quantized, _KERNEL).default  # looked up once: it costs microseconds a call
         self.register_buffer("weight_scales", scales, persistent=False)  # (N,): the operator's key and shape
-        _LAYERS[scales.data_ptr()] = self
+        self._register()
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def _register(self) -> None:
+        """Be found by w7a8_matmul under the storage of weight_scales (again whenever a copy or a move makes one)."""
+        _LAYERS[self.weight_scales.data_ptr()] = self
+
+    def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle
+        super().__setstate__(state)
+        self._register()
+
+    def _apply(self, fn, recurse: bool = True):  # .to(), .float(): buffers may be replaced
+        out = super()._apply(fn, recurse)
+        self._register()
+        return out
 
     quantized_as = "w7a8"  # part of the keys under which step costs and exactness verdicts are kept
 

@@ -124,6 +124,11 @@ def test_the_graph_operator_is_the_layers_kernel_call() -> None:
     assert torch.equal(torch.ops.minilade.w7a8_matmul(codes, layer.weight_scales).mul_(scale), layer(x))
     key = layer.weight_scales.data_ptr()
     assert integer_linear._LAYERS[key] is layer
+    copied = copy.deepcopy(layer)
+    assert integer_linear._LAYERS[copied.weight_scales.data_ptr()] is copied
+    assert torch.equal(torch.ops.minilade.w7a8_matmul(codes, copied.weight_scales).mul_(scale), layer(x))
+    copied.to(torch.float64)  # a new scales buffer: found under its storage too
+    assert integer_linear._LAYERS[copied.weight_scales.data_ptr()] is copied
     del layer
     gc.collect()
     assert key not in integer_linear._LAYERS
