@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .decoding.step_costs import cost_key, measure_step_costs
+from .decoding.step_costs import compare_step_costs, cost_key, measure_step_costs
 from .invariance import (
     RowTiledLinear,
     RowTiling,
@@ -268,9 +268,9 @@ def choose_quantization(model: Transformer, blocks: dict, modes: tuple[str, ...]
     """The model with its linear layers quantized in whichever of `modes` (e.g. int4 and w7a8, quant.py) steps
     fastest on this CPU while passing the exactness check, measured: the model quantized each way (taking
     `blocks`, a file's codes by module name, as quantize_linears takes them; the embedding in int8 groups), made
-    exact, then timed on a one-row and an 8-row step after 128 tokens (the widths auto feeds most). The choice is
-    kept in check_file ("<key>|quantize"), so that a later load quantizes one way only. Returns the model and a
-    few words on the choice."""
+    exact, then timed on a one-row and an 8-row step after 128 tokens (the widths auto feeds most), the modes in
+    turn in each of 5 rounds, medians. The choice is kept in check_file ("<key>|quantize"), so that a later load
+    quantizes one way only. Returns the model and a few words on the choice."""
     def quantized(mode: str, source: Transformer) -> Transformer:
         quantize_linears(source, mode, 32, weights=blocks)
         return quantize_embedding(source, blocks.get("tok_embeddings"))
@@ -281,12 +281,13 @@ def choose_quantization(model: Transformer, blocks: dict, modes: tuple[str, ...]
         candidate = quantized(chosen, model)
         make_exact(candidate, check_file)
         return candidate, f"{chosen} measured fastest of {'/'.join(modes)} here"
-    seconds: dict[str, float] = {}
-    candidates = {}
+    candidates, exact = {}, {}
     for i, mode in enumerate(modes):
         candidates[mode] = candidate = quantized(mode, model if i == len(modes) - 1 else copy.deepcopy(model))
         if make_exact(candidate, check_file, warn=False).exact:
-            seconds[mode] = sum(measure_step_costs(candidate, (1, 8), context=128, repeats=2).values())
+            exact[mode] = candidate
+    timed = compare_step_costs(exact, (1, 8), context=128, repeats=5)  # interleaved: one spell, all modes
+    seconds = {mode: sum(by_size.values()) for mode, by_size in timed.items()}
     if not seconds:  # none is exact: the first, and make_exact says so
         make_exact(candidates[modes[0]], check_file)
         return candidates[modes[0]], modes[0]

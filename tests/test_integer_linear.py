@@ -141,17 +141,18 @@ def test_missing_kernel_is_a_one_line_value_error(monkeypatch: pytest.MonkeyPatc
 
 
 def fake_costs(faster: str):
-    """measure_step_costs as if `faster`'s layers stepped in half the time."""
-    def measure(model, rows, **_):
-        w7a8 = any(isinstance(m, W7A8Linear) for m in model.modules())
-        return {r: (1.0 if (faster == "w7a8") == w7a8 else 2.0) for r in rows}
-    return measure
+    """compare_step_costs as if `faster`'s layers stepped in half the time."""
+    def compare(models, rows, **_):
+        def seconds(model):
+            return 1.0 if (faster == "w7a8") == any(isinstance(m, W7A8Linear) for m in model.modules()) else 2.0
+        return {name: {r: seconds(model) for r in rows} for name, model in models.items()}
+    return compare
 
 
 @pytest.mark.parametrize("faster", ["int4", "w7a8"])
 def test_choose_quantization_takes_the_faster_exact_mode_and_keeps_the_choice(
         faster: str, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setattr(device, "measure_step_costs", fake_costs(faster))
+    monkeypatch.setattr(device, "compare_step_costs", fake_costs(faster))
     check_file = tmp_path / "invariance.json"
     chosen, said = device.choose_quantization(tiny_model(preset="tiny-mha"), {}, ("int4", "w7a8"), check_file)
     assert any(isinstance(m, W7A8Linear) for m in chosen.modules()) == (faster == "w7a8")
@@ -159,13 +160,13 @@ def test_choose_quantization_takes_the_faster_exact_mode_and_keeps_the_choice(
 
     def unmeasured(*_, **__):
         raise AssertionError("a kept choice is not measured again")
-    monkeypatch.setattr(device, "measure_step_costs", unmeasured)
+    monkeypatch.setattr(device, "compare_step_costs", unmeasured)
     again, _ = device.choose_quantization(tiny_model(preset="tiny-mha"), {}, ("int4", "w7a8"), check_file)
     assert any(isinstance(m, W7A8Linear) for m in again.modules()) == (faster == "w7a8")
 
 
 def test_choose_quantization_skips_a_mode_that_is_not_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(device, "measure_step_costs", fake_costs("w7a8"))
+    monkeypatch.setattr(device, "compare_step_costs", fake_costs("w7a8"))
     real = device.make_exact
     monkeypatch.setattr(device, "make_exact", lambda model, path=None, warn=True: (
         Invariance(False, {}) if any(isinstance(m, W7A8Linear) for m in model.modules())

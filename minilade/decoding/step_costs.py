@@ -27,30 +27,51 @@ def measure_step_costs(model: Transformer, sizes: Iterable[int], *, context: int
     batch-invariant attention takes its slower path for them, as in real steps). Sizes are measured
     round-robin, after one warm-up pass each. The context shrinks so that the steps' positions fit the
     model's; a step longer than that reuses positions (its cost does not depend on them)."""
+    return compare_step_costs({None: model}, sizes, context=context, repeats=repeats)[None]
+
+
+def compare_step_costs(models: dict, sizes: Iterable[int], *, context: int = 256, repeats: int = 3
+                       ) -> dict[object, dict[int, float]]:
+    """measure_step_costs for several models at once, by name: each round times every size of every model in
+    turn, so that a slow spell of a shared machine falls on all of them alike."""
     sizes = sorted(set(sizes))
-    limit = model.config.max_seq_len
-    context = max(0, min(context, limit - max(sizes) - 1))
-    gen = torch.Generator().manual_seed(0)
-    cache = model.new_cache(context + max(sizes))
-    device = model.device
-    samples: dict[int, list[float]] = {T: [] for T in sizes}
-    with torch.inference_mode():
-        if context > 0:
-            model(torch.randint(model.config.vocab_size, (1, context), generator=gen).to(device),
-                  torch.arange(context, device=device), cache, logits_rows=torch.zeros(1, dtype=torch.long,
-                                                                                        device=device))
-            cache.commit(context)
-        for rep in range(repeats + 1):
+    timers = {name: _StepTimer(model, max(sizes), context) for name, model in models.items()}
+    samples: dict = {name: {T: [] for T in sizes} for name in models}
+    for rep in range(repeats + 1):
+        for name, timer in timers.items():
             for T in sizes:
-                tokens = torch.randint(model.config.vocab_size, (1, T), generator=gen).to(device)
-                positions, mask = interleaved_step(context, T, lanes=4)
-                start = time.perf_counter()
-                model(tokens, positions.to(device) % limit, cache, mask.to(device))
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                seconds = timer.time(T)
                 if rep:  # the first round is warm-up
-                    samples[T].append(time.perf_counter() - start)
-    return {T: sorted(s)[len(s) // 2] for T, s in samples.items()}
+                    samples[name][T].append(seconds)
+    return {name: {T: sorted(s)[len(s) // 2] for T, s in by_size.items()} for name, by_size in samples.items()}
+
+
+class _StepTimer:
+    """Times a forward pass of T random tokens, masked as a lookahead step, over one prefilled cache."""
+
+    def __init__(self, model: Transformer, max_rows: int, context: int) -> None:
+        self.model, self.limit = model, model.config.max_seq_len
+        self.context = max(0, min(context, self.limit - max_rows - 1))
+        self.gen = torch.Generator().manual_seed(0)
+        self.cache = model.new_cache(self.context + max_rows)
+        if self.context > 0:
+            device = model.device
+            with torch.inference_mode():
+                model(torch.randint(model.config.vocab_size, (1, self.context), generator=self.gen).to(device),
+                      torch.arange(self.context, device=device), self.cache,
+                      logits_rows=torch.zeros(1, dtype=torch.long, device=device))
+            self.cache.commit(self.context)
+
+    def time(self, T: int) -> float:
+        model, device = self.model, self.model.device
+        tokens = torch.randint(model.config.vocab_size, (1, T), generator=self.gen).to(device)
+        positions, mask = interleaved_step(self.context, T, lanes=4)
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model(tokens, positions.to(device) % self.limit, self.cache, mask.to(device))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return time.perf_counter() - start
 
 
 class StepCosts:
