@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = JobParser(MODULE, __doc__)
     add_prompt_options(p, n_prompts=20)
     p.add_argument("--dtype", choices=CPU_DTYPES, default="float32", help="the weights' dtype")
+    p.add_argument("--quantize", choices=["none", "int8", "int4", "w7a8"], default="none",
+                   help="minilade's linear layers quantized (the transformers rows keep float weights)")
     add_settings_option(p, DEFAULT_SETTINGS)
     p.add_argument("--no-lookahead", action="store_true",
                    help="leave out the lookahead rows (--settings then only add their sizes to the step-cost curve)")
@@ -314,7 +316,8 @@ def step_costs(model: Any, sizes: list[int], reps: int) -> dict[int, float]:
 def timed_records(args: argparse.Namespace, ckpt_path: Path) -> tuple[LLM, ContendersByTemperature, list[dict]]:
     """Loads both libraries' models, warms every contender up and runs the timed loop."""
     texts = load_prompt_texts(args.data_dir, args.datasets, args.n_prompts)
-    llm = LLM.load(ckpt_path, dtype=args.dtype, device="cpu")
+    quantize = None if args.quantize == "none" else args.quantize
+    llm = LLM.load(ckpt_path, dtype=args.dtype, device="cpu", quantize=quantize)
     prompts = encode_prompts(llm, texts, show_progress=not args.no_progress)
     runner = Runner(llm, None if args.no_transformers else load_hf_model(ckpt_path, args.dtype))
     histories = seeded_histories(args, llm)
