@@ -96,7 +96,8 @@ def exactness(config: ModelConfig, dtype: torch.dtype, device: torch.device, pro
         record[backend] = entry
         print(f"  {backend}: {entry}", flush=True)
         del model
-        torch.cuda.empty_cache() if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return record
 
 
