@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .integer_linear import W7A8Linear, w7a8_missing
+from .integer_linear import W7A8Linear, pack_weights, w7a8_missing
 
 MODES = ("int8", "int4", "w7a8")  # w7a8: integer matmuls, integer_linear.py
 GROUP_SIZES = (32, 64, 128, 256)  # the only groups _weight_int4pack_mm_for_cpu accepts
@@ -96,8 +96,21 @@ class Int4Weight:
         """(N, K) float32, rounded once from the exact (code - 8) * scale + zero, as the kernels' fused
         multiply-add rounds (computed in float64, where that sum is exact)."""
         N, K = self.codes.shape
+        scales, zeros = self.scales[..., None], self.zeros[..., None]
+        if _products_exact(self.scales) and bool(zeros.isfinite().all()):
+            # (code - 8) * scale is then exact in float32 too, so float32's one rounding of the sum is float64's
+            # (the float64 sum is exact unless one term is below half an ulp of the other): 4x faster, same bits.
+            signed = self.codes.reshape(N, -1, self.group_size).float().sub_(INT4_OFFSET)
+            return signed.mul_(scales).add_(zeros).reshape(N, K)
         signed = (self.codes.double() - INT4_OFFSET).reshape(N, -1, self.group_size)
-        return (signed * self.scales[..., None].double() + self.zeros[..., None].double()).reshape(N, K).float()
+        return (signed * scales.double() + zeros.double()).reshape(N, K).float()
+
+
+def _products_exact(scales: torch.Tensor) -> bool:
+    """Whether scale * (code - 8) is exact in float32 for every scale and code: at most 21 significant bits (the
+    3 lowest stored bits zero; a signed code needs 4) and no overflow at 8 x scale."""
+    low_bits_zero = ((scales.view(torch.int32) & 7) == 0).all()
+    return bool(low_bits_zero and (scales * 8).isfinite().all())
 
 
 @dataclass(frozen=True)
@@ -351,13 +364,15 @@ def quantize_linears(model: nn.Module, mode: str = "int4", group_size: int = 32,
                 weights[name] = quantize_weight(child.weight, mode, group_size, kernel_dtype)
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
+    if mode == "w7a8":  # largest first, so that packing does not end on one thread with a big output head alone
+        order = sorted(linears, key=lambda linear: -linear[3].weight.numel())
+        floats = (weights[name].dequantize() if name in weights else child.weight for name, _, _, child in order)
+        for (_, parent, attr, child), packed in zip(order, pack_weights(floats), strict=True):
+            setattr(parent, attr, W7A8Linear(packed, child.bias))
+        return model
     for name, parent, attr, child in linears:
-        if mode == "w7a8":
-            layer = W7A8Linear(weights[name].dequantize() if name in weights else child.weight, child.bias)
-        else:
-            layer = QuantizedLinear(weights[name], child.bias, kernel_dtype=kernel_dtype,
-                                    dense_from_rows=dense_from_rows)
-        setattr(parent, attr, layer)
+        setattr(parent, attr, QuantizedLinear(weights[name], child.bias, kernel_dtype=kernel_dtype,
+                                              dense_from_rows=dense_from_rows))
     return model
 
 

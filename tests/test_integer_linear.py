@@ -46,6 +46,22 @@ def hostile_rows(m: int, k: int = 96, seed: int = 1) -> torch.Tensor:
     return x
 
 
+def test_weights_packed_on_threads_are_each_weights_in_order_and_read_a_few_ahead() -> None:
+    weights = [hostile_weight(n=16 * (1 + i % 3), seed=i) for i in range(9)]
+    read = []
+
+    def produced():
+        for w in weights:
+            read.append(w)
+            yield w
+
+    x = hostile_rows(5)
+    for i, packed in enumerate(integer_linear.pack_weights(produced())):
+        assert len(read) <= i + integer_linear.IN_FLIGHT
+        assert torch.equal(W7A8Linear(packed)(x), W7A8Linear(weights[i])(x))
+    assert len(read) == len(weights)
+
+
 def test_layer_is_the_integer_product_of_the_codes_bitwise() -> None:
     w, x = hostile_weight(), hostile_rows(40)
     layer = W7A8Linear(w)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minilade import quant
 from minilade.config import ModelConfig
 from minilade.decoding import Autoregressive, Lookahead
 from minilade.model import Transformer
@@ -64,6 +65,28 @@ def test_int4_round_trip_within_half_a_step(group_size: int, scale_dtype: torch.
     # float32: half a step; bfloat16: the rounded zero point may also move a group's ends by its rounding.
     slack = 0.0 if scale_dtype == torch.float32 else 2 ** -8 * (q.zeros.abs()[..., None] + 8 * step)
     assert (error <= 0.5 * step * (1 + 1e-5) + slack).all()
+
+
+def float64_dequantize(q: Int4Weight) -> torch.Tensor:
+    signed = (q.codes.double() - 8).view(q.codes.shape[0], -1, q.group_size)
+    return (signed * q.scales[..., None].double() + q.zeros[..., None].double()).view(q.codes.shape).float()
+
+
+def test_int4_dequantize_in_float32_gives_the_float64_bits() -> None:
+    """Where every scale x (code - 8) is exact in float32, dequantize computes there: the bits must be the float64
+    sum rounded once, over zero points of full precision, -0.0, subnormal and huge scales, far-apart terms."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (64, 128), generator=g, dtype=torch.uint8)
+    scales = (torch.randn(64, 4, generator=g) * 0.05).to(torch.float16).float()  # GGUF's: 11 significant bits
+    scales[0, 0], scales[1, 1], scales[2, 2] = 2.0 ** -140, 2.0 ** 120, -(2.0 ** -20) * 1023
+    zeros = torch.randn(64, 4, generator=g) * 0.1
+    zeros[3], zeros[4, 0], zeros[5, 1] = -0.0, 1e30, 1e-30
+    q = Int4Weight(codes, scales, zeros)
+    assert quant._products_exact(q.scales)
+    assert torch.equal(q.dequantize().view(torch.int32), float64_dequantize(q).view(torch.int32))
+    full = Int4Weight(codes, torch.rand(64, 4, generator=g) + 0.5, zeros)  # 24 significant bits: the float64 path
+    assert not quant._products_exact(full.scales)
+    assert torch.equal(full.dequantize().view(torch.int32), float64_dequantize(full).view(torch.int32))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -24,24 +24,36 @@ def dequantize_blocks(data: np.ndarray, kind: QType) -> torch.Tensor:
     """Rows of blocks, (..., bytes per row) uint8 as the GGUF reader gives them, as float32 (..., weights per row):
     bit for bit gguf.quants.dequantize(data, kind). The weights are computed in place in their one float32 buffer:
     fresh memory costs page faults, which on a first load cost more than the arithmetic."""
-    rows = torch.from_numpy(np.array(data).view(np.uint8))  # a copy: torch takes no read-only memory map
-    *outer, width = rows.shape
-    blocks = rows.reshape(-1, width // BLOCK_BYTES[kind], BLOCK_BYTES[kind])  # (R, G, bytes)
-    d = _float16(blocks, 0)  # (R, G, 1)
+    outer = np.shape(data)[:-1]
+    blocks = as_blocks(data, kind)  # (R, G, bytes)
+    d = float16_at(blocks, 0)  # (R, G, 1)
     if kind == QType.Q8_0:
         weights = blocks[..., 2:].contiguous().view(torch.int8).float().mul_(d)
     else:
-        codes = blocks[..., 4 if kind == QType.Q4_1 else 2:]  # (R, G, 16)
-        weights = torch.empty(*codes.shape[:2], BLOCK)  # (R, G, 32): low nibbles first
-        weights[..., :BLOCK // 2] = codes & 0x0F
-        weights[..., BLOCK // 2:] = codes >> 4
+        weights = unpack_nibbles(blocks, kind, torch.float32)  # (R, G, 32)
         if kind == QType.Q4_1:
-            weights.mul_(d).add_(_float16(blocks, 2))
+            weights.mul_(d).add_(float16_at(blocks, 2))
         else:
             weights.sub_(8).mul_(d)
     return weights.reshape(*outer, -1)
 
 
-def _float16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+def as_blocks(data: np.ndarray, kind: QType) -> torch.Tensor:
+    """Rows of blocks, (..., bytes per row) uint8, as a uint8 tensor (R, G, bytes per block): a copy, since torch
+    takes no read-only memory map."""
+    rows = torch.from_numpy(np.array(data).view(np.uint8))
+    return rows.reshape(-1, rows.shape[-1] // BLOCK_BYTES[kind], BLOCK_BYTES[kind])
+
+
+def float16_at(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     """The float16 at byte `offset` of every block, as float32: (R, G, 1)."""
     return blocks[..., offset:offset + 2].contiguous().view(torch.float16).float()
+
+
+def unpack_nibbles(blocks: torch.Tensor, kind: QType, dtype: torch.dtype) -> torch.Tensor:
+    """The 4-bit codes q of Q4_0 / Q4_1 blocks (R, G, bytes), as (R, G, 32) in dtype: low nibbles first."""
+    packed = blocks[..., BLOCK_BYTES[kind] - BLOCK // 2:]  # (R, G, 16), after the header
+    codes = torch.empty(*packed.shape[:2], BLOCK, dtype=dtype)
+    codes[..., :BLOCK // 2] = packed & 0x0F
+    codes[..., BLOCK // 2:] = packed >> 4
+    return codes

@@ -26,12 +26,10 @@ from gguf import GGMLQuantizationType as QType
 from ..errors import CheckpointError
 from ..quant import Int4Weight, Int8GroupWeight, cat_rows, map_rows
 from .gguf import GGUFTensors, unpermute_rotary
+from .gguf_blocks import as_blocks, float16_at, unpack_nibbles
 from .names import checkpoint_tensors
 
-BLOCK = 32
-# Bytes before the codes in one block: float16 d, and for Q4_1 float16 m.
-HEADER_BYTES = {QType.Q4_0: 2, QType.Q4_1: 4}
-INT4_TYPES = frozenset(HEADER_BYTES)
+INT4_TYPES = frozenset({QType.Q4_0, QType.Q4_1})
 
 
 def int4_from_blocks(data: np.ndarray, kind: QType) -> Int4Weight:
@@ -39,26 +37,22 @@ def int4_from_blocks(data: np.ndarray, kind: QType) -> Int4Weight:
     (N, K) with group 32 and float32 scales, in the file's row order. Raises ValueError for any other type."""
     if kind not in INT4_TYPES:
         raise ValueError(f"type {kind.name} has no exact int4 mapping (only Q4_0 and Q4_1 have)")
-    header = HEADER_BYTES[kind]
-    rows = np.asarray(data)
-    blocks = rows.reshape(rows.shape[0], -1, header + BLOCK // 2)  # (N, G, bytes)
-    d = _float16(blocks, 0)  # (N, G)
-    packed = blocks[..., header:]  # (N, G, 16)
-    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # (N, G, 32): low nibbles first
+    n_rows = np.shape(data)[0]
+    blocks = as_blocks(data, kind)  # (N, G, bytes)
+    d = float16_at(blocks, 0)[..., 0]  # (N, G)
     # Q4_0's zero point is -0.0, not 0.0: with a negative d, gguf-py's d * 0 is -0.0, and only x + (-0.0)
     # leaves every x, including -0.0, unchanged bit for bit.
-    zeros = _float16(blocks, 2) + 8 * d if kind == QType.Q4_1 else np.full_like(d, -0.0)
-    return Int4Weight(torch.from_numpy(codes.reshape(rows.shape[0], -1)), torch.from_numpy(d),
-                      torch.from_numpy(zeros))
+    zeros = float16_at(blocks, 2)[..., 0] + 8 * d if kind == QType.Q4_1 else torch.full_like(d, -0.0)
+    return Int4Weight(unpack_nibbles(blocks, kind, torch.uint8).reshape(n_rows, -1), d, zeros)
 
 
 def int8_from_q8_0(data: np.ndarray) -> Int8GroupWeight:
     """GGUF rows of Q8_0 blocks (float16 d, then 32 int8 codes), (N, bytes per row) uint8, as an Int8GroupWeight
     (N, K) with group 32 and the scales in float32: every weight d * q exactly as gguf-py dequantizes it."""
-    rows = np.asarray(data)
-    blocks = rows.reshape(rows.shape[0], -1, 2 + BLOCK)  # (N, G, 34)
-    codes = blocks[..., 2:].copy().view(np.int8).reshape(rows.shape[0], -1)
-    return Int8GroupWeight(torch.from_numpy(codes), torch.from_numpy(_float16(blocks, 0)))
+    n_rows = np.shape(data)[0]
+    blocks = as_blocks(data, QType.Q8_0)  # (N, G, 34)
+    codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(n_rows, -1)
+    return Int8GroupWeight(codes, float16_at(blocks, 0).reshape(n_rows, -1))
 
 
 def gguf_embedding(source: GGUFTensors) -> Int8GroupWeight | None:
@@ -71,20 +65,14 @@ def gguf_embedding(source: GGUFTensors) -> Int8GroupWeight | None:
     return int8_from_q8_0(tensor.data)
 
 
-def _float16(blocks: np.ndarray, offset: int) -> np.ndarray:
-    """The float16 at byte `offset` of every block, as float32: (N, G)."""
-    return blocks[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
-
-
 def exact_zero_points(data: np.ndarray, kind: QType) -> bool:
     """Whether every Q4_1 block's zero point m + 8 d came out exact in float32 (then the mapping is exact);
     True for Q4_0, whose zero point is 0."""
     if kind != QType.Q4_1:
         return True
     weight = int4_from_blocks(data, kind)
-    blocks = np.asarray(data).reshape(weight.codes.shape[0], -1, HEADER_BYTES[kind] + BLOCK // 2)
     m = weight.zeros.double() - 8 * weight.scales.double()
-    return bool(torch.equal(m, torch.from_numpy(_float16(blocks, 2)).double()))
+    return bool(torch.equal(m, float16_at(as_blocks(data, kind), 2).reshape(m.shape).double()))
 
 
 def bfloat16_exact_fraction(weight: Int4Weight) -> float:
