@@ -19,6 +19,8 @@ decoding's output through compiled steps, as they do eagerly.
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 
 from .decoding.step_costs import cost_key, measure_step_costs
 from .device import check_invariance
+from .errors import one_line
 from .invariance import (
     KEY_CHUNK,
     LOG2_E,
@@ -45,6 +48,10 @@ from .invariance import (
 from .kv_cache import KVCache
 from .memo import read_table, write_entry
 from .model import Block, Transformer
+
+# The modules whose code a layer's graph is traced from (a saved graph is kept per digest of them: SavedGraphs).
+GRAPHS_FOLDER = "graphs"  # beside the kept tables (choose_steps)
+TRACED_FROM = ("compiled.py", "model.py", "invariance.py", "integer_linear.py", "quant.py", "kv_cache.py")
 
 
 def chunked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_bias: torch.Tensor,
@@ -103,8 +110,9 @@ def layer_step(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 def compiled_layer_step() -> Callable[..., torch.Tensor]:
     """layer_step under torch.compile, shared by every model and layer: dynamo lifts a layer's weights into graph
     inputs and guards on their shapes and types, so the layers of a model share graphs. The graph's host code is
-    C++ (inductor's cpp_wrapper), measured faster than its Python wrapper (docs/benchmarks.md). Inductor keeps
-    what it built on disk, but a later process still traces each graph again (some 12 s each for the demo model).
+    C++ (inductor's cpp_wrapper), measured faster than its Python wrapper (docs/benchmarks.md). Used where no folder
+    keeps the graphs (SavedGraphs does): a later process then traces each graph again (some 12 s each for the demo
+    model), inductor's disk cache notwithstanding.
     A graph is kept per dtype, kind of weight, one-row or wider step, and whether the cache was made in inference
     mode; dynamo's default of 8 graphs a function is raised to hold them (past it, fullgraph fails loudly)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -121,9 +129,11 @@ class CompiledSteps:
 
     name = "compiled"  # in the keys under which step costs and verdicts are kept (step_costs.cost_key)
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, graphs: Path | None = None) -> None:
+        """graphs: a folder to keep the graphs in between processes (SavedGraphs); None: traced in this process."""
         self.groups = model.config.n_heads // model.config.n_kv_heads
-        self.run_layer = compiled_layer_step()
+        self.graphs = graphs
+        self.run_layer: Callable[..., torch.Tensor] | None = None if graphs is not None else compiled_layer_step()
 
     def __call__(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
                  mask: torch.Tensor | None, logits_rows: torch.Tensor | None) -> torch.Tensor:
@@ -135,11 +145,74 @@ class CompiledSteps:
         step_layout = graph_layout(layout)
         slots = torch.arange(past, past + T, device=tokens.device)
         x = model.tok_embeddings(tokens).to(model.dtype)
+        if self.run_layer is None:
+            self.run_layer = SavedGraphs(self.graphs, cost_key(model))
         for i, block in enumerate(model.layers):
             x = self.run_layer(block, x, cos, sin, slots, cache.k[i], cache.v[i], *step_layout)
         if logits_rows is not None:
             x = x[:, logits_rows]
         return model.output(model.norm(x))
+
+
+class SavedGraphs:
+    """layer_step compiled ahead of time (torch.compile's aot_compile) and kept in a folder: a later process loads
+    its graphs (about a second, once) instead of tracing them again (some 12 s each for the demo model).
+
+    A graph serves the steps of one kind: one row or several (inductor specialises a size of 1), under the autograd
+    and inference modes it was traced in (its guards check them). Each kind is compiled at its first step and saved
+    under a name made of the model's cost key (shapes, dtype, layers, machine, torch) and a digest of the code it
+    is traced from, so an edit of that code compiles anew. A file that does not load is compiled again; a step whose
+    arguments the saved graph's guards refuse runs through compiled_layer_step, traced in this process."""
+
+    def __init__(self, folder: Path, key: str) -> None:
+        self.folder, self.key, self.graphs = folder, key, {}
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        x = args[1]
+        kind = (f"{'one row' if x.shape[1] == 1 else 'rows'}|grad {torch.is_grad_enabled()}|"
+                f"inference {torch.is_inference_mode_enabled()}|cache {args[5].is_inference()}")
+        if kind not in self.graphs:
+            self.graphs[kind] = self._load_or_compile(kind, args)
+        try:
+            return self.graphs[kind](*args)
+        except RuntimeError as error:
+            if "GuardManager check failed" not in str(error):
+                raise
+            return compiled_layer_step()(*args)
+
+    def _load_or_compile(self, kind: str, args: tuple) -> Callable[..., torch.Tensor]:
+        digest = hashlib.sha256(f"{self.key}|{kind}|{traced_code_digest()}".encode()).hexdigest()[:32]
+        path = self.folder / f"layer-step-{digest}.pt2"
+        if path.exists():
+            try:
+                with path.open("rb") as f:
+                    return torch.compiler.load_compiled_function(f)
+            except Exception as error:  # a damaged or foreign file raises whatever its unpickling meets
+                print(f"minilade: compiling again: {path} did not load ({one_line(error)})", file=sys.stderr)
+        # One graph must serve every later step of its kind, and aot_compile sees one: every size that changes from
+        # step to step is marked dynamic (rows, cache slots, the layout's keys and tail), which torch.compile would
+        # find itself from a second step. Nor can aot_compile restart its analysis when a float becomes a tensor.
+        _, x, cos, sin, slots, keys, values, *step_layout = args
+        for tensor, dims in ((x, (1,)), (cos, (1,)), (sin, (1,)), (slots, (0,)), (keys, (2,)), (values, (2,)),
+                             *((t, range(t.dim())) for t in step_layout)):
+            for dim in dims:
+                if tensor.shape[dim] > 1:
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        with torch._dynamo.config.patch(specialize_float=True):
+            graph = torch.compile(layer_step, dynamic=True, fullgraph=True,
+                                  options={"cpp_wrapper": True}).aot_compile((args, {}))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        graph.save_compiled_function(str(partial))
+        os.replace(partial, path)  # whole or absent, never half-written
+        return graph
+
+
+@functools.cache
+def traced_code_digest() -> str:
+    """A digest of the source files a layer's graph is traced from."""
+    here = Path(__file__).parent
+    return hashlib.sha256(b"".join((here / name).read_bytes() for name in TRACED_FROM)).hexdigest()
 
 
 def graph_layout(layout: KeyLayout) -> tuple[torch.Tensor, ...]:
@@ -162,12 +235,13 @@ def graph_layout(layout: KeyLayout) -> tuple[torch.Tensor, ...]:
     return key_bias, (slots < L0).to(key_bias.dtype), slots[L0:], tail_select
 
 
-def compile_steps(model: Transformer) -> Transformer:
+def compile_steps(model: Transformer, graphs: Path | None = None) -> Transformer:
     """Run the model's decoding steps compiled (CompiledSteps). Its attention kernel becomes the exact one (the
     layout chunked_attention computes, and the padded cache it reads), installed first when it is not; its row-tiled
     linear layers (device.make_exact) get the row count at which F.linear, the kernel a graph calls, gives every row
     the same bits (invariance.find_tiling on the unpacked kernel). device.check_invariance then tells whether the
-    compiled steps are exact. CPU only: on CUDA no compiled step has been built or tested. Returns the model."""
+    compiled steps are exact. graphs: a folder where the graphs are kept for later processes (SavedGraphs), or None
+    (traced in this process). CPU only: on CUDA no compiled step has been built or tested. Returns the model."""
     if model.device.type != "cpu":
         raise ValueError(f"compiled steps are built and tested for the CPU only, not {model.device.type}; "
                          f"run without compiling there")
@@ -183,7 +257,7 @@ def compile_steps(model: Transformer) -> Transformer:
                 tiling = find_tiling(module.weight, packed=False)
                 rows[key] = tiling.rows if tiling is not None and not tiling.split else 1  # the check says
             module.graph_rows = rows[key]
-    model.step_runner = CompiledSteps(model)
+    model.step_runner = CompiledSteps(model, graphs)
     return model
 
 
@@ -199,14 +273,15 @@ def choose_steps(model: Transformer, check_file: str | Path | None = None, *, fo
     compiled steps must pass device.check_invariance, and a one-row plus an 8-row step after 128 tokens must take
     less time than eagerly. Compiling is not tried, unless forced, where a weight matmul would need padding rows
     in the graph (RowTiledLinear.graph_rows > 1: float32 here, measured slower than its eager prepacked kernel).
-    What was found is kept in check_file (JSON, per model, machine and kernels). The model is left eager when
+    What was found is kept in check_file (JSON, per model, machine and kernels), the graphs in a folder beside it
+    (GRAPHS_FOLDER, SavedGraphs), so a later process neither measures nor traces again. The model is left eager when
     compiled steps lose or fail; the return value says which, in a few words, for the user."""
     missing = compiler_missing()
     if missing:
         return f"eager steps ({missing})"
     if model.device.type != "cpu" or (dist.is_available() and dist.is_initialized()):
         return "eager steps"
-    compile_steps(model)
+    compile_steps(model, Path(check_file).parent / GRAPHS_FOLDER if check_file is not None else None)
     if not force and any(m.graph_rows > 1 for m in model.modules() if isinstance(m, RowTiledLinear)):
         model.step_runner = None
         return "eager steps (compiled ones would pad each weight matmul to more rows)"

@@ -172,7 +172,8 @@ def check_invariance(model: Transformer, contexts=(5, 70), width: int = 16, lane
 
 
 def _prefilled(model: Transformer, prompt: torch.Tensor, room: int):
-    cache = model.new_cache(prompt.shape[1] + room)
+    with torch.inference_mode(False):  # a cache as generation makes one (compiled graphs are kept per kind of cache)
+        cache = model.new_cache(prompt.shape[1] + room)
     model(prompt, torch.arange(prompt.shape[1], device=model.device), cache)
     cache.commit(prompt.shape[1])
     return cache

@@ -38,6 +38,7 @@ from typing import Iterable, Iterator, NamedTuple
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 WEIGHT_LEVELS = 63       # weight codes in [-63, 63]
 ACTIVATION_LEVELS = 127  # activation codes in [-127, 127], handed to the kernel as u8 with zero point 128
@@ -144,8 +145,10 @@ class W7A8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def _register(self) -> None:
-        """Be found by w7a8_matmul under the storage of weight_scales (again whenever a copy or a move makes one)."""
-        _LAYERS[self.weight_scales.data_ptr()] = self
+        """Be found by w7a8_matmul under the storage of weight_scales (again whenever a copy or a move makes one). A
+        copy with fake tensors (what a saved graph's guards unpickle, compiled.SavedGraphs) has no storage to key."""
+        if not isinstance(self.weight_scales, FakeTensor):
+            _LAYERS[self.weight_scales.data_ptr()] = self
 
     def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle
         super().__setstate__(state)

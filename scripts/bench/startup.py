@@ -25,16 +25,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = """
 import sys
 from minilade import LLM
-llm = LLM.load(sys.argv[1] or None)
+llm = LLM.load(sys.argv[1] or None, compile={"on": True, "off": False}.get(sys.argv[4], sys.argv[4]))
 for piece in llm.stream(sys.argv[2], chat=True, max_new_tokens=int(sys.argv[3])):
     sys.stdout.write(piece)
     sys.stdout.flush()
 """
 
 
-def commands(ckpt: str | None, prompt: str, max_new_tokens: int) -> dict[str, list[str]]:
-    cli = [sys.executable, "-m", "minilade.generate", "--chat", prompt, "--max-new-tokens", str(max_new_tokens)]
-    library = [sys.executable, "-c", LIBRARY, ckpt or "", prompt, str(max_new_tokens)]
+def commands(ckpt: str | None, prompt: str, max_new_tokens: int, compile: str = "off") -> dict[str, list[str]]:
+    cli = [sys.executable, "-m", "minilade.generate", "--chat", prompt, "--max-new-tokens", str(max_new_tokens),
+           "--compile", compile]
+    library = [sys.executable, "-c", LIBRARY, ckpt or "", prompt, str(max_new_tokens), compile]
     return {"CLI": cli + (["--ckpt", ckpt] if ckpt else []), "library": library}
 
 
@@ -69,11 +70,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prompt", default="Hi")
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--entries", nargs="+", choices=["CLI", "library"], default=["CLI", "library"])
+    p.add_argument("--compile", choices=["off", "on", "auto"], default="off",
+                   help="the CLI's --compile (LLM.load's compile); the warm-up run then compiles and keeps the graphs")
     args = p.parse_args(argv)
     print(cpu_flags())
     print("| entry | first token (s), median | exit (s), median | peak memory (MiB), median | runs (first token, s) |")
     print("| --- | --- | --- | --- | --- |")
-    for name, command in commands(args.ckpt, args.prompt, args.max_new_tokens).items():
+    for name, command in commands(args.ckpt, args.prompt, args.max_new_tokens, args.compile).items():
         if name not in args.entries:
             continue
         timed_run(command)  # warm-up: keeps the machine's measurements, warms the page cache

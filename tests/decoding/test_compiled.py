@@ -6,6 +6,10 @@ function (compiled.compiled_layer_step), which keeps a graph per dtype, weight k
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,9 +27,9 @@ from tests.helpers import FLAT_COSTS, checked_runs, run_tokens, tiny_model
 pytestmark = pytest.mark.xdist_group("compiled")
 
 
-def compiled_model(kind: str, sliding_window: int = 0) -> Transformer:
+def compiled_model(kind: str, sliding_window: int = 0, graphs: Path | None = None) -> Transformer:
     """A tiny model made exact (device.make_exact) with compiled steps: float32, bfloat16, int8, int4 or w7a8
-    layers."""
+    layers; graphs: where to keep them (compiled.SavedGraphs), or traced in this process."""
     config = ModelConfig.preset("tiny-gqa").replace(vocab_size=32, dim=64, head_dim=16, intermediate_size=128,
                                                     sliding_window=sliding_window)  # int4 groups of 32 inputs
     model = Transformer(config).init_random(seed=3, std=0.3).eval()
@@ -34,7 +38,7 @@ def compiled_model(kind: str, sliding_window: int = 0) -> Transformer:
     elif kind in ("int8", "int4", "w7a8"):
         quantize_embedding(quantize_linears(model, kind, 32))
     assert make_exact(model).exact
-    return compile_steps(model)
+    return compile_steps(model, graphs)
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int4", "w7a8"])
@@ -107,16 +111,68 @@ def test_plain_decoding_runs_one_row_steps_through_the_compiled_runner() -> None
     assert len(tokens) == 12 and rows == [1] * 11  # the prefill runs eagerly; every later step compiled
 
 
-def test_steps_are_compiled_when_asked_and_exact_and_the_setup_says_so(monkeypatch, tmp_path) -> None:
-    """choose_steps (what LLM.load(compile=...) runs): forced, the compiled runner is installed and its verdict kept
-    in the check file; without a C++ compiler the model stays eager and the reason is given."""
-    model = compiled_model("int4")
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory) -> Path:
+    """A folder of kept tables shared by this module's tests of saved graphs (each w7a8 graph compiled once)."""
+    return tmp_path_factory.mktemp("kept")
+
+
+def test_steps_are_compiled_when_asked_and_exact_and_the_setup_says_so(monkeypatch, kept) -> None:
+    """choose_steps (what LLM.load(compile=...) runs): forced, the compiled runner is installed, its verdict kept
+    in the check file and its graphs beside it; without a C++ compiler the model stays eager and the reason is
+    given."""
+    model = compiled_model("w7a8")
     model.step_runner = None
-    check_file = tmp_path / "invariance.json"
+    check_file = kept / "invariance.json"
     assert choose_steps(model, check_file, force=True).startswith("compiled steps")
     assert model.step_runner is not None and check_file.exists()
+    assert len(list((kept / compiled.GRAPHS_FOLDER).glob("*.pt2"))) == 2  # one-row steps and wider ones
     monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
     model.step_runner = None
     assert choose_steps(model, check_file, force=True) == \
         "eager steps (no C++ compiler (g++, c++ or clang++) on PATH)"
     assert model.step_runner is None
+
+
+def two_steps(model: Transformer) -> list[torch.Tensor]:
+    """The logits of a one-row step and of a four-row step after a 9-token prompt (the cache made as generation
+    makes it, outside inference mode)."""
+    cache = model.new_cache(40)
+    with torch.inference_mode():
+        model(torch.arange(9)[None] % 7, torch.arange(9), cache)
+        cache.commit(9)
+        one = model(torch.tensor([[3]]), torch.tensor([9]), cache)
+        return [one, model(torch.arange(4)[None], torch.arange(9, 13), cache)]
+
+
+LATER_PROCESS = """
+import sys
+from pathlib import Path
+import torch
+from tests.decoding.test_compiled import compiled_model, two_steps
+torch.save(two_steps(compiled_model("w7a8", graphs=Path(sys.argv[1]))), sys.argv[2])
+print("graphs traced:", torch._dynamo.utils.counters["stats"]["unique_graphs"])
+"""
+
+
+def test_saved_graphs_serve_a_later_process_without_tracing_and_a_damaged_one_is_compiled_again(kept, tmp_path
+                                                                                               ) -> None:
+    """compiled.SavedGraphs: the graphs one process compiled (one-row and wider steps) load in another, which traces
+    nothing and computes the same logits bit for bit; a file that does not load is compiled again, saying so."""
+    graphs, logits = kept / compiled.GRAPHS_FOLDER, tmp_path / "logits.pt"
+    want = two_steps(compiled_model("w7a8", graphs=graphs))
+    saved = sorted(graphs.glob("*.pt2"))
+    assert len(saved) == 2
+
+    def later_process() -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-c", LATER_PROCESS, str(graphs), str(logits)], capture_output=True,
+                              text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert all(torch.equal(a, b) for a, b in zip(want, torch.load(logits), strict=True))
+        return done
+
+    assert later_process().stdout.split()[-1] == "0"
+    saved[0].write_bytes(b"not a graph")
+    again = later_process()
+    assert "compiling again" in again.stderr and again.stdout.split()[-1] == "1"
+    assert sorted(graphs.glob("*")) == saved and saved[0].stat().st_size > 1000
