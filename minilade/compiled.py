@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.fx.experimental._config as shape_config
 import torch.nn.functional as F
 
 from .decoding.step_costs import cost_key, measure_step_costs
@@ -91,17 +92,19 @@ def layer_step(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     """One layer of a decoding step: x (B, T, dim) -> (B, T, dim), its keys and values written into the cache.
 
     cos, sin: (B|1, T, 1, D) the rows' rotary tables; slots: (T,) long, the cache slots the rows are written to
-    (cache.length + arange(T)); keys, values: this layer's buffers of a PaddedKVCache, (B, Hkv, S, D) and
-    (B, Hkv, S, value_columns(D)); step_layout: graph_layout's tensors, over Sp <= S slots.
+    (cache.length + arange(T)); keys, values: this layer's buffers of a PaddedKVCache cut to the step's first Sp
+    slots (views: the rows are written through them into the cache), (B, Hkv, Sp, D) and (B, Hkv, Sp,
+    value_columns(D)); step_layout: graph_layout's tensors, over those Sp slots. (Cut outside the graph: a slice's
+    length inside it depends on whether Sp reaches the cache's end, which the graph would guard on.)
     """
     attention = block.attention
     B, T, _ = x.shape
     q, k, v = attention.project(block.attention_norm(x), cos, sin)
-    D, Sp = k.shape[-1], step_layout[0].shape[-1]
+    D = k.shape[-1]
     keys.index_copy_(2, slots, k.to(keys.dtype))
     ones = v.new_ones(*v.shape[:-1], 1)
     values.index_copy_(2, slots, F.pad(torch.cat([v, ones], -1), (0, values.shape[-1] - D - 1)).to(values.dtype))
-    y = chunked_attention(q, keys[:, :, :Sp], values[:, :, :Sp], *step_layout)
+    y = chunked_attention(q, keys, values, *step_layout)
     x = x + attention.wo(y.transpose(1, 2).reshape(B, T, -1))
     return x + block.feed_forward(block.ffn_norm(x))
 
@@ -147,8 +150,9 @@ class CompiledSteps:
         x = model.tok_embeddings(tokens).to(model.dtype)
         if self.run_layer is None:
             self.run_layer = SavedGraphs(self.graphs, cost_key(model))
+        Sp = step_layout[0].shape[-1]
         for i, block in enumerate(model.layers):
-            x = self.run_layer(block, x, cos, sin, slots, cache.k[i], cache.v[i], *step_layout)
+            x = self.run_layer(block, x, cos, sin, slots, cache.k[i, :, :, :Sp], cache.v[i, :, :, :Sp], *step_layout)
         if logits_rows is not None:
             x = x[:, logits_rows]
         return model.output(model.norm(x))
@@ -156,13 +160,15 @@ class CompiledSteps:
 
 class SavedGraphs:
     """layer_step compiled ahead of time (torch.compile's aot_compile) and kept in a folder: a later process loads
-    its graphs (about a second, once) instead of tracing them again (some 12 s each for the demo model).
+    its graphs (some 4 s in all, most of it importing torch's compiler) instead of tracing them again (some 12 s
+    each for the demo model).
 
     A graph serves the steps of one kind: one row or several (inductor specialises a size of 1), under the autograd
     and inference modes it was traced in (its guards check them). Each kind is compiled at its first step and saved
     under a name made of the model's cost key (shapes, dtype, layers, machine, torch) and a digest of the code it
-    is traced from, so an edit of that code compiles anew. A file that does not load is compiled again; a step whose
-    arguments the saved graph's guards refuse runs through compiled_layer_step, traced in this process."""
+    is traced from, so an edit of that code compiles anew (and the graph traced from the old code is deleted then).
+    A file that does not load is compiled again; a step whose arguments the saved graph's guards refuse runs
+    through compiled_layer_step, traced in this process."""
 
     def __init__(self, folder: Path, key: str) -> None:
         self.folder, self.key, self.graphs = folder, key, {}
@@ -181,8 +187,8 @@ class SavedGraphs:
             return compiled_layer_step()(*args)
 
     def _load_or_compile(self, kind: str, args: tuple) -> Callable[..., torch.Tensor]:
-        digest = hashlib.sha256(f"{self.key}|{kind}|{traced_code_digest()}".encode()).hexdigest()[:32]
-        path = self.folder / f"layer-step-{digest}.pt2"
+        graph_name = f"layer-step-{hashlib.sha256(f'{self.key}|{kind}'.encode()).hexdigest()[:16]}"
+        path = self.folder / f"{graph_name}-{traced_code_digest()[:16]}.pt2"
         if path.exists():
             try:
                 with path.open("rb") as f:
@@ -191,20 +197,27 @@ class SavedGraphs:
                 print(f"minilade: compiling again: {path} did not load ({one_line(error)})", file=sys.stderr)
         # One graph must serve every later step of its kind, and aot_compile sees one: every size that changes from
         # step to step is marked dynamic (rows, cache slots, the layout's keys and tail), which torch.compile would
-        # find itself from a second step. Nor can aot_compile restart its analysis when a float becomes a tensor.
+        # find itself from a second step, and sizes that happen to be equal in this step (a cache as long as its
+        # keys) get symbols of their own (no duck shaping), or the graph's guards would demand them equal ever after.
+        # Nor can aot_compile restart its analysis when a float becomes a tensor.
+        # (The cache views are never the whole cache, PaddedKVCache's spare chunk sees to it: a graph traced from a
+        # whole one would demand contiguous views ever after, one traced from a part demands parts.)
         _, x, cos, sin, slots, keys, values, *step_layout = args
         for tensor, dims in ((x, (1,)), (cos, (1,)), (sin, (1,)), (slots, (0,)), (keys, (2,)), (values, (2,)),
                              *((t, range(t.dim())) for t in step_layout)):
             for dim in dims:
                 if tensor.shape[dim] > 1:
                     torch._dynamo.maybe_mark_dynamic(tensor, dim)
-        with torch._dynamo.config.patch(specialize_float=True):
+        with torch._dynamo.config.patch(specialize_float=True), shape_config.patch(use_duck_shape=False):
             graph = torch.compile(layer_step, dynamic=True, fullgraph=True,
                                   options={"cpp_wrapper": True}).aot_compile((args, {}))
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         graph.save_compiled_function(str(partial))
         os.replace(partial, path)  # whole or absent, never half-written
+        for stale in self.folder.glob(f"{graph_name}-*.pt2"):  # the same graph traced from other code
+            if stale != path:
+                stale.unlink(missing_ok=True)
         return graph
 
 

@@ -131,14 +131,16 @@ class PaddedKVCache(KVCache):
     """The KV cache invariant_attention reads without copying.
 
     k: (n_layers, B, Hkv, slots, D), v: (n_layers, B, Hkv, slots, value_columns(D)), slots = capacity rounded up to
-    KEY_CHUNK, two chunks at least; v's column D is all ones (it sums the attention weights) and the columns after
-    it zero. Kept in attention's work dtype (bfloat16 keys and values stored exactly in float32, read without a
-    copy). Slots never written hold zeros, so every slot is finite (a hidden key weighs exactly 0).
+    KEY_CHUNK, two chunks at least, and one spare chunk after: a step's keys never fill the buffer, so the views of it
+    that compiled steps are handed all have the same kind of strides (compiled.SavedGraphs traces a graph once for
+    every later step). v's column D is all ones (it sums the attention weights) and the columns after it zero. Kept
+    in attention's work dtype (bfloat16 keys and values stored exactly in float32, read without a copy). Slots never
+    written hold zeros, so every slot is finite (a hidden key weighs exactly 0).
     """
 
     def allocate(self, config: ModelConfig, capacity: int, batch_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-        slots = round_up(max(capacity, 2 * KEY_CHUNK), KEY_CHUNK)  # two chunks at least (compiled.graph_layout)
+        slots = round_up(max(capacity, 2 * KEY_CHUNK), KEY_CHUNK) + KEY_CHUNK  # (compiled.graph_layout, SavedGraphs)
         D, shape = config.head_dim, (config.n_layers, batch_size, config.n_kv_heads, slots)
         k = torch.zeros(*shape, D, dtype=work_dtype(dtype), device=device)
         v = torch.zeros(*shape, value_columns(D), dtype=work_dtype(dtype), device=device)

@@ -134,10 +134,10 @@ def test_steps_are_compiled_when_asked_and_exact_and_the_setup_says_so(monkeypat
     assert model.step_runner is None
 
 
-def two_steps(model: Transformer) -> list[torch.Tensor]:
+def two_steps(model: Transformer, capacity: int = 40) -> list[torch.Tensor]:
     """The logits of a one-row step and of a four-row step after a 9-token prompt (the cache made as generation
     makes it, outside inference mode)."""
-    cache = model.new_cache(40)
+    cache = model.new_cache(capacity)
     with torch.inference_mode():
         model(torch.arange(9)[None] % 7, torch.arange(9), cache)
         cache.commit(9)
@@ -150,7 +150,7 @@ import sys
 from pathlib import Path
 import torch
 from tests.decoding.test_compiled import compiled_model, two_steps
-torch.save(two_steps(compiled_model("w7a8", graphs=Path(sys.argv[1]))), sys.argv[2])
+torch.save(two_steps(compiled_model("w7a8", graphs=Path(sys.argv[1])), capacity=300), sys.argv[2])
 print("graphs traced:", torch._dynamo.utils.counters["stats"]["unique_graphs"])
 """
 
@@ -158,7 +158,8 @@ print("graphs traced:", torch._dynamo.utils.counters["stats"]["unique_graphs"])
 def test_saved_graphs_serve_a_later_process_without_tracing_and_a_damaged_one_is_compiled_again(kept, tmp_path
                                                                                                ) -> None:
     """compiled.SavedGraphs: the graphs one process compiled (one-row and wider steps) load in another, which traces
-    nothing and computes the same logits bit for bit; a file that does not load is compiled again, saying so."""
+    nothing and computes the same logits bit for bit, over a cache of another size; a file that does not load is
+    compiled again, saying so."""
     graphs, logits = kept / compiled.GRAPHS_FOLDER, tmp_path / "logits.pt"
     want = two_steps(compiled_model("w7a8", graphs=graphs))
     saved = sorted(graphs.glob("*.pt2"))
