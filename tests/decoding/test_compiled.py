@@ -177,3 +177,20 @@ def test_saved_graphs_serve_a_later_process_without_tracing_and_a_damaged_one_is
     again = later_process()
     assert "compiling again" in again.stderr and again.stdout.split()[-1] == "1"
     assert sorted(graphs.glob("*")) == saved and saved[0].stat().st_size > 1000
+
+
+def test_a_step_the_saved_graph_refuses_runs_through_a_graph_traced_here(kept, capsys) -> None:
+    """Where a saved graph's guards refuse a step, that kind of step runs through compiled_layer_step from then on
+    (one line on stderr says so), which computes what a model compiled in this process computes."""
+    model = compiled_model("w7a8", graphs=kept / compiled.GRAPHS_FOLDER)
+    two_steps(model)  # the saved graphs loaded (or compiled)
+    saved = model.step_runner.run_layer
+
+    def refusing(*args):
+        raise RuntimeError("GuardManager check failed, reason: a test's")
+
+    saved.graphs = dict.fromkeys(saved.graphs, refusing)
+    got = two_steps(model)
+    assert "refuses this one" in capsys.readouterr().err
+    assert refusing not in saved.graphs.values()
+    assert all(torch.equal(a, b) for a, b in zip(got, two_steps(compiled_model("w7a8")), strict=True))
