@@ -50,8 +50,8 @@ from .kv_cache import KVCache
 from .memo import read_table, write_entry
 from .model import Block, Transformer
 
+GRAPHS_FOLDER = "graphs"  # where saved graphs are kept: beside the kept tables (choose_steps)
 # The modules whose code a layer's graph is traced from (a saved graph is kept per digest of them: SavedGraphs).
-GRAPHS_FOLDER = "graphs"  # beside the kept tables (choose_steps)
 TRACED_FROM = ("compiled.py", "model.py", "invariance.py", "integer_linear.py", "quant.py", "kv_cache.py")
 
 
