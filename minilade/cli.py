@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "autoregressive: plain decoding, one token per forward pass")
     s.add_argument("--compile", choices=["auto", "on", "off"], default="off",
                    help="run the decoding steps of every strategy as compiled graphs (torch.compile, CPU): faster "
-                        "steps, but the first run on a machine compiles for about a minute (the graphs are kept "
-                        "beside its measurements) and every later process spends some 4 s loading them. auto: where "
+                        "steps, but the first run on a machine compiles for a few minutes (the graphs are kept "
+                        "beside its measurements) and every later process spends some 5 s loading them. auto: where "
                         "they pass the exactness check and measure faster than eager steps here; on: where they "
                         "pass the check; off (default)")
     add_strategy_options(s)

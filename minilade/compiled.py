@@ -3,9 +3,10 @@
 An eager decoding step of `Transformer.forward` dispatches some 2,000 small operations (norms, rotary, the
 batch-invariant attention's pieces, casts around quantized matmuls), which on a CPU take longer than the weight
 matmuls of a quantized model (docs/benchmarks.md). `compile_steps(model)` installs `CompiledSteps` as the model's
-`step_runner`: every step after the prefill, of any strategy and any row count, then runs each layer as one graph
-compiled by torch.compile (inductor), one graph for all layers (the layer's weights and cache are its inputs) and
-every row count (dynamic shapes; a one-row step gets a graph of its own, as inductor specialises sizes of 1).
+`step_runner`: every step after the prefill, of any strategy and any row count, then runs its layers as one graph
+compiled by torch.compile (inductor), in which one compiled layer is called by every layer with its own weights and
+cache; the graph serves every row count (dynamic shapes; a one-row step gets a graph of its own, as inductor
+specialises sizes of 1).
 
 Exactness is kept by construction, as in the eager step: each layer computes the batch-invariant attention of
 invariance.py (the same KeyLayout, built once per step on the host), written with shapes that do not change the
@@ -18,6 +19,7 @@ decoding's output through compiled steps, as they do eagerly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -109,34 +111,86 @@ def layer_step(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return x + block.feed_forward(block.ffn_norm(x))
 
 
+layer_region = torch.compiler.nested_compile_region(layer_step)  # traced once, called by every layer
+
+
+def layers_step(layers: torch.nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *step_layout: torch.Tensor
+                ) -> torch.Tensor:
+    """Every layer of a decoding step, each a layer_step: x (B, T, dim) -> (B, T, dim).
+
+    keys, values: L views, each layer's cache buffers cut to the step's first Sp slots, as layer_step takes them
+    (cut outside the graph, one by one: where the subgraph wrote into views it selected from one (L, ...) view,
+    torch 2.13 wrote every layer's rows into the first layer's); the rest as layer_step's. Compiled, this is one
+    graph a step, not one a layer, in which the layer is one subgraph (layer_region) that each layer calls with
+    its own weights and cache: one call into compiled code a step instead of L, measured 20% faster on a one-row
+    step of the demo model (docs/benchmarks.md)."""
+    for i, block in enumerate(layers):
+        x = layer_region(block, x, cos, sin, slots, keys[i], values[i], *step_layout)
+    return x
+
+
+def mark_dynamic_sizes(args: tuple) -> None:
+    """Mark every size of layers_step's arguments that changes from step to step as dynamic (rows, the keys in the
+    layout and its tail; sizes of 1 stay static, as inductor specialises them), so that the first step of a kind
+    traces the graph every later step of that kind runs. Weights keep static sizes: a graph is a model's own."""
+    _, x, cos, sin, slots, keys, values, *step_layout = args
+    for tensor, dims in ((x, (1,)), (cos, (1,)), (sin, (1,)), (slots, (0,)), *((t, (2,)) for t in keys + values),
+                         *((t, range(t.dim())) for t in step_layout)):
+        for dim in dims:
+            if tensor.shape[dim] > 1:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def tracing_config() -> contextlib.AbstractContextManager:
+    """How a step's graph is traced: sizes equal by chance get symbols of their own (no duck shaping), or the guards
+    would demand them equal ever after (and a layer's subgraph, traced with one size bound to another, fails when it
+    is called with them apart); floats stay constants (aot_compile cannot restart its analysis when a float becomes a
+    tensor); only the sizes mark_dynamic_sizes marks are dynamic, never those that differ between two models that
+    ran through compiled_layers_step (dynamo's automatic dynamic shapes: a subgraph with weights of symbolic sizes
+    fails to trace in torch 2.13)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+    stack.enter_context(shape_config.patch(use_duck_shape=False))
+    stack.enter_context(torch._dynamo.config.patch(automatic_dynamic_shapes=False))
+    return stack
+
+
 @functools.cache
-def compiled_layer_step() -> Callable[..., torch.Tensor]:
-    """layer_step under torch.compile, shared by every model and layer: dynamo lifts a layer's weights into graph
-    inputs and guards on their shapes and types, so the layers of a model share graphs. The graph's host code is
-    C++ (inductor's cpp_wrapper), measured faster than its Python wrapper (docs/benchmarks.md). Used where no folder
-    keeps the graphs (SavedGraphs does): a later process then traces each graph again (some 12 s each for the demo
-    model), inductor's disk cache notwithstanding.
-    A graph is kept per dtype, kind of weight, one-row or wider step, and whether the cache was made in inference
-    mode; dynamo's default of 8 graphs a function is raised to hold them (past it, fullgraph fails loudly)."""
+def compiled_layers_step() -> Callable[..., torch.Tensor]:
+    """layers_step under torch.compile, shared by every model: used where no folder keeps the graphs (SavedGraphs
+    does; a later process then traces each graph again, some 40 s each for the demo model, inductor's disk cache
+    notwithstanding). A graph is kept per model (its weights' sizes), dtype, one-row or wider step, and whether the
+    cache was made in inference mode; dynamo's default of 8 graphs a function is raised to hold them (past it,
+    fullgraph fails loudly). The graph's host code is inductor's Python wrapper: its C++ one cannot call a subgraph.
+    """
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(layer_step, dynamic=True, fullgraph=True, options={"cpp_wrapper": True})
+    compiled = torch.compile(layers_step, fullgraph=True)
+
+    def run(*args: torch.Tensor) -> torch.Tensor:
+        mark_dynamic_sizes(args)
+        with tracing_config():
+            return compiled(*args)
+
+    return run
 
 
 class CompiledSteps:
     """A model's step_runner: Transformer.forward hands it every step with committed cache rows.
 
     The step's layout is made once on the host (invariance.key_layout, as the eager exact kernel makes it), then
-    every layer runs compiled_layer_step; the embedding lookup, the final norm and the output head (one matmul
+    the layers run as one graph (layers_step); the embedding lookup, the final norm and the output head (one matmul
     over the rows read) stay eager, and they are the same for every row count.
     """
-
-    name = "compiled"  # in the keys under which step costs and verdicts are kept (step_costs.cost_key)
 
     def __init__(self, model: Transformer, graphs: Path | None = None) -> None:
         """graphs: a folder to keep the graphs in between processes (SavedGraphs); None: traced in this process."""
         self.groups = model.config.n_heads // model.config.n_kv_heads
+        # In the keys under which step costs and verdicts are kept (step_costs.cost_key), with the digest of the
+        # code the graphs are traced from: a verdict holds for the code it checked.
+        self.name = f"compiled {traced_code_digest()[:12]}"
         self.graphs = graphs
-        self.run_layer: Callable[..., torch.Tensor] | None = None if graphs is not None else compiled_layer_step()
+        self.run_layers: Callable[..., torch.Tensor] | None = None if graphs is not None else compiled_layers_step()
 
     def __call__(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
                  mask: torch.Tensor | None, logits_rows: torch.Tensor | None) -> torch.Tensor:
@@ -148,19 +202,20 @@ class CompiledSteps:
         step_layout = graph_layout(layout)
         slots = torch.arange(past, past + T, device=tokens.device)
         x = model.tok_embeddings(tokens).to(model.dtype)
-        if self.run_layer is None:  # made at the first step: the key names this runner, installed after __init__
-            self.run_layer = SavedGraphs(self.graphs, cost_key(model))
+        if self.run_layers is None:  # made at the first step: the key names this runner, installed after __init__
+            self.run_layers = SavedGraphs(self.graphs, cost_key(model))
         Sp = step_layout[0].shape[-1]
-        for i, block in enumerate(model.layers):
-            x = self.run_layer(block, x, cos, sin, slots, cache.k[i, :, :, :Sp], cache.v[i, :, :, :Sp], *step_layout)
+        keys = [cache.k[i, :, :, :Sp] for i in range(len(model.layers))]
+        values = [cache.v[i, :, :, :Sp] for i in range(len(model.layers))]
+        x = self.run_layers(model.layers, x, cos, sin, slots, keys, values, *step_layout)
         if logits_rows is not None:
             x = x[:, logits_rows]
         return model.output(model.norm(x))
 
 
 class SavedGraphs:
-    """layer_step compiled ahead of time (torch.compile's aot_compile) and kept in a folder: a later process loads
-    its graphs (some 4 s in all, most of it importing torch's compiler) instead of tracing them again (some 12 s
+    """layers_step compiled ahead of time (torch.compile's aot_compile) and kept in a folder: a later process loads
+    its graphs (some 4 s in all, most of it importing torch's compiler) instead of tracing them again (some 40 s
     each for the demo model).
 
     A graph serves the steps of one kind: one row or several (inductor specialises a size of 1), under the autograd
@@ -168,7 +223,7 @@ class SavedGraphs:
     under a name made of the model's cost key (shapes, dtype, layers, machine, torch) and a digest of the code it
     is traced from, so an edit of that code compiles anew (and the graph traced from the old code is deleted then).
     A file that does not load is compiled again; a step whose arguments the saved graph's guards refuse runs
-    through compiled_layer_step, traced in this process."""
+    through compiled_layers_step, traced in this process."""
 
     def __init__(self, folder: Path, key: str) -> None:
         self.folder, self.key, self.graphs = folder, key, {}
@@ -176,7 +231,7 @@ class SavedGraphs:
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         x = args[1]
         kind = (f"{'one row' if x.shape[1] == 1 else 'rows'}|grad {torch.is_grad_enabled()}|"
-                f"inference {torch.is_inference_mode_enabled()}|cache {args[5].is_inference()}")
+                f"inference {torch.is_inference_mode_enabled()}|cache {args[5][0].is_inference()}")
         if kind not in self.graphs:
             self.graphs[kind] = self._load_or_compile(kind, args)
         try:
@@ -189,11 +244,11 @@ class SavedGraphs:
             # here, so that steps keep one rounding from this one on.
             print(f"minilade: the saved graph for {kind} steps refuses this one ({one_line(error)[:200]}); "
                   "tracing it here", file=sys.stderr)
-            self.graphs[kind] = compiled_layer_step()
+            self.graphs[kind] = compiled_layers_step()
             return self.graphs[kind](*args)
 
     def _load_or_compile(self, kind: str, args: tuple) -> Callable[..., torch.Tensor]:
-        graph_name = f"layer-step-{hashlib.sha256(f'{self.key}|{kind}'.encode()).hexdigest()[:16]}"
+        graph_name = f"layers-step-{hashlib.sha256(f'{self.key}|{kind}'.encode()).hexdigest()[:16]}"
         path = self.folder / f"{graph_name}-{traced_code_digest()[:16]}.pt2"
         if path.exists():
             try:
@@ -202,20 +257,12 @@ class SavedGraphs:
             except Exception as error:  # a damaged or foreign file raises whatever its unpickling meets
                 print(f"minilade: compiling again: {path} did not load ({one_line(error)})", file=sys.stderr)
         # One graph must serve every later step of its kind, and aot_compile sees one step: every size that changes
-        # from step to step is marked dynamic (rows, the keys in the layout and its tail), as torch.compile would
-        # find from a second step, and sizes equal by chance get symbols of their own (no duck shaping), or the
-        # guards would demand them equal ever after. (The cache views are never the whole buffer, PaddedKVCache's
-        # spare chunk sees to it: traced from a whole one, a graph demands contiguous views, from a part, parts.)
-        # Nor can aot_compile restart its analysis when a float becomes a tensor (specialize_float).
-        _, x, cos, sin, slots, keys, values, *step_layout = args
-        for tensor, dims in ((x, (1,)), (cos, (1,)), (sin, (1,)), (slots, (0,)), (keys, (2,)), (values, (2,)),
-                             *((t, range(t.dim())) for t in step_layout)):
-            for dim in dims:
-                if tensor.shape[dim] > 1:
-                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
-        with torch._dynamo.config.patch(specialize_float=True), shape_config.patch(use_duck_shape=False):
-            graph = torch.compile(layer_step, dynamic=True, fullgraph=True,
-                                  options={"cpp_wrapper": True}).aot_compile((args, {}))
+        # from step to step is marked dynamic, as torch.compile would find from a second step. (The cache views are
+        # never the whole buffer, PaddedKVCache's spare chunk sees to it: traced from a whole one, a graph demands
+        # contiguous views, from a part, parts.)
+        mark_dynamic_sizes(args)
+        with tracing_config():
+            graph = torch.compile(layers_step, fullgraph=True).aot_compile((args, {}))
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         graph.save_compiled_function(str(partial))
@@ -306,7 +353,7 @@ def choose_steps(model: Transformer, check_file: str | Path | None = None, *, fo
     key = cost_key(model)
     known = (read_table(check_file) or {}).get(key) if check_file is not None else None
     if known is None:
-        print("minilade: compiling the model's steps (once per machine; about a minute on 2 cores)...",
+        print("minilade: compiling the model's steps (once per machine; a few minutes on 2 cores)...",
               file=sys.stderr, flush=True)
         runner, exact = model.step_runner, check_invariance(model)
         seconds = {}

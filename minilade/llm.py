@@ -105,9 +105,9 @@ class LLM:
         quantized.
         compile: run the decoding steps as compiled graphs (compiled.py, CPU): "auto" where they pass the
         exactness check and measure faster than eager steps on this machine (kept in tables), True whenever they
-        pass the check, False (the default) never: the first load on a machine compiles for about a minute, and a later
-        process spends some 4 s loading the kept graphs (in `tables`; without tables it traces them again, some 12 s
-        each) before its first compiled step (docs/benchmarks.md). `self.setup` says what was chosen.
+        pass the check, False (the default) never: the first load on a machine compiles for a few minutes, and a
+        later process spends some 5 s loading the kept graphs (in `tables`; without tables it traces them again, over
+        a minute each) before its first compiled step (docs/benchmarks.md). `self.setup` says what was chosen.
         tensor_parallel: this process is one rank of a run launched by torchrun; it loads and runs only its shard
         (minilade/parallel; dtype auto is float32 on the CPU, the check is made at every load, no quantization)."""
         if quantize not in (None, "auto"):

@@ -5,7 +5,7 @@ A one-token decoding step reads every weight once, so its time is set by the byt
 weights quantized reads 1 byte (int8) or about 0.6 byte (int4, group 32) per weight instead of 4 (float32).
 The matmuls run on torch's weight-only kernels, the ones gpt-fast and torchao call on CPU:
   int8: aten._weight_int8pack_mm(x, codes (N, K) int8, scales (N,))           y = (x @ codes.T) * scales
-  int4: aten._weight_int4pack_mm_for_cpu(x, packed, group, scale_zeros)    w = (code - 8) * scale + zero
+  int4: quantized.int4mm_packed_weight_cpu(x, packed, group, scale_zeros)  w = (code - 8) * scale + zero
 Facts measured with torch 2.13 on an AVX2 CPU (scripts/bench/quant.py prints them again):
 - Both kernels are vectorized for bfloat16 activations only (on x86); float32 activations take a scalar loop
   5-30x slower than a dense float32 matmul. So these layers compute in bfloat16 (the input is rounded to bfloat16,
@@ -209,6 +209,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales", weight.scales.to(kernel_dtype))
         else:
             self.group_size = weight.group_size
+            self.register_buffer("group_size_tensor", torch.tensor(weight.group_size), persistent=False)
             self.register_buffer("packed", pack_int4(weight.codes))
             scale_zeros = torch.stack([weight.scales, weight.zeros], dim=-1).transpose(0, 1)  # (K / group, N, 2)
             self.register_buffer("scale_zeros", scale_zeros.contiguous().to(kernel_dtype))
@@ -256,7 +257,11 @@ class QuantizedLinear(nn.Module):
         """rows: (M, K) in kernel_dtype -> (M, N) in kernel_dtype."""
         if self.mode == "int8":
             return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scale_zeros)
+        # The kernel that takes the group size as a tensor: in a compiled layer that every layer calls
+        # (compiled.layer_region), aten._weight_int4pack_mm_for_cpu's lowering makes it a constant the subgraph
+        # does not receive. The same kernel underneath, the same bits.
+        return torch.ops.quantized.int4mm_packed_weight_cpu(rows, self.packed, self.group_size_tensor,
+                                                            self.scale_zeros)
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.mode == "int4" else ""

@@ -163,8 +163,9 @@ def test_quantize_linears_swaps_every_linear_and_reports_memory() -> None:
     assert len(layers) == 4 * model.config.n_layers + 1
     assert torch.equal(model.tok_embeddings.weight, embedding)
     assert (model.layers[0].attention.wqkv.out_features, model.layers[0].attention.wqkv.in_features) == shapes[0]
-    # int4: half a byte a weight plus a bfloat16 scale and zero point per group of 32.
-    quantized = sum(m.out_features * m.in_features * (0.5 + 4 / 32) for m in layers)
+    # int4: half a byte a weight plus a bfloat16 scale and zero point per group of 32, and the group size as a
+    # tensor (int64) the kernel takes.
+    quantized = sum(m.out_features * m.in_features * (0.5 + 4 / 32) + 8 for m in layers)
     floats = sum(m.out_features * m.in_features * 4 for m in layers)
     assert weight_bytes(model) == before - floats + quantized
 

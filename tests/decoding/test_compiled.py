@@ -1,7 +1,7 @@
 """Decoding steps of any shape through compiled graphs (minilade/compiled.py): exact, for every strategy.
 
-Compiling is slow on a small CPU, so the models are tiny and few: every test reuses the one compiled layer
-function (compiled.compiled_layer_step), which keeps a graph per dtype, weight kind and one-row or wider step.
+Compiling is slow on a small CPU, so the models are tiny and few: every test reuses the one compiled function
+(compiled.compiled_layers_step), which keeps a graph per model, dtype, weight kind and one-row or wider step.
 """
 
 from __future__ import annotations
@@ -180,11 +180,11 @@ def test_saved_graphs_serve_a_later_process_without_tracing_and_a_damaged_one_is
 
 
 def test_a_step_the_saved_graph_refuses_runs_through_a_graph_traced_here(kept, capsys) -> None:
-    """Where a saved graph's guards refuse a step, that kind of step runs through compiled_layer_step from then on
+    """Where a saved graph's guards refuse a step, that kind of step runs through compiled_layers_step from then on
     (one line on stderr says so), which computes what a model compiled in this process computes."""
     model = compiled_model("w7a8", graphs=kept / compiled.GRAPHS_FOLDER)
     two_steps(model)  # the saved graphs loaded (or compiled)
-    saved = model.step_runner.run_layer
+    saved = model.step_runner.run_layers
 
     def refusing(*args):
         raise RuntimeError("GuardManager check failed, reason: a test's")
