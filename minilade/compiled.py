@@ -201,7 +201,10 @@ class CompiledSteps:
         layout = key_layout(visible, past, self.groups, model.dtype, counted=reach)
         step_layout = graph_layout(layout)
         slots = torch.arange(past, past + T, device=tokens.device)
-        x = model.tok_embeddings(tokens).to(model.dtype)
+        # Strides made from the sizes alone: a size-1 dimension's stride is whatever the embedding's view left, and a
+        # saved graph guards on it (seen: a wide step refused for x.stride()[0]).
+        x = model.tok_embeddings(tokens).to(model.dtype).clone(memory_format=torch.contiguous_format)
+        cos, sin = (t.clone(memory_format=torch.contiguous_format) for t in (cos, sin))
         if self.run_layers is None:  # made at the first step: the key names this runner, installed after __init__
             self.run_layers = SavedGraphs(self.graphs, cost_key(model))
         Sp = step_layout[0].shape[-1]
