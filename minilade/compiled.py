@@ -115,8 +115,8 @@ layer_region = torch.compiler.nested_compile_region(layer_step)  # traced once, 
 
 
 def layers_step(layers: torch.nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *step_layout: torch.Tensor
-                ) -> torch.Tensor:
+                slots: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                *step_layout: torch.Tensor) -> torch.Tensor:
     """Every layer of a decoding step, each a layer_step: x (B, T, dim) -> (B, T, dim).
 
     keys, values: L views, each layer's cache buffers cut to the step's first Sp slots, as layer_step takes them
@@ -201,8 +201,8 @@ class CompiledSteps:
         layout = key_layout(visible, past, self.groups, model.dtype, counted=reach)
         step_layout = graph_layout(layout)
         slots = torch.arange(past, past + T, device=tokens.device)
-        # Strides made from the sizes alone: a size-1 dimension's stride is whatever the embedding's view left, and a
-        # saved graph guards on it (seen: a wide step refused for x.stride()[0]).
+        # Strides made from the sizes alone: a size-1 dimension's stride is whatever the view that made the tensor
+        # left, and a saved graph guards on it (x.stride()[0] in a wide step's graph).
         x = model.tok_embeddings(tokens).to(model.dtype).clone(memory_format=torch.contiguous_format)
         cos, sin = (t.clone(memory_format=torch.contiguous_format) for t in (cos, sin))
         if self.run_layers is None:  # made at the first step: the key names this runner, installed after __init__
