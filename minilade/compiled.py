@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from .decoding.step_costs import cost_key, measure_step_costs
 from .device import check_invariance
 from .errors import one_line
+from .frame_stack import on_fresh_frame_chunk
 from .invariance import (
     KEY_CHUNK,
     LOG2_E,
@@ -194,7 +195,13 @@ class CompiledSteps:
 
     def __call__(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
                  mask: torch.Tensor | None, logits_rows: torch.Tensor | None) -> torch.Tensor:
-        """As Transformer.forward (input_pos (B|1, T)); cache: a PaddedKVCache with cache.length > 0."""
+        """As Transformer.forward (input_pos (B|1, T)); cache: a PaddedKVCache with cache.length > 0. The step's
+        host code calls Python for every weight matmul: it runs from a fresh chunk of the frame stack, whoever
+        calls (frame_stack.py)."""
+        return on_fresh_frame_chunk(self.step, model, tokens, input_pos, cache, mask, logits_rows)
+
+    def step(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
+             mask: torch.Tensor | None, logits_rows: torch.Tensor | None) -> torch.Tensor:
         T, past = tokens.shape[1], cache.length
         cos, sin = model.rotary(input_pos)
         visible, reach = model.step_masks(mask, past, T, input_pos)

@@ -13,6 +13,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from ..frame_stack import on_fresh_frame_chunk
 from ..kv_cache import KVCache
 from ..model import Transformer
 from ..sampling import Sampler, SamplingParams, seeded
@@ -134,8 +135,10 @@ def _run_decoder(decoder: Decoder, run: TokenRun, max_new_tokens: int, eos: froz
 
 
 def timed(forward: Callable[[], Step]) -> tuple[Step, float]:
-    """Run one forward pass of a decoder (its prefill or a step) in inference mode; also return its seconds."""
+    """Run one forward pass of a decoder (its prefill or a step) in inference mode; also return its seconds.
+    The pass and its host work run from a fresh chunk of the frame stack, so their speed does not depend on the
+    consumer's depth (frame_stack.py)."""
     start = time.perf_counter()
     with torch.inference_mode():
-        step = forward()
+        step = on_fresh_frame_chunk(forward)
     return step, time.perf_counter() - start
