@@ -1,6 +1,6 @@
 """Python calls whose speed does not depend on how deep the caller's stack is.
 
-CPython (3.11 and later) keeps a thread's Python frames in chunks of 16 KiB and frees a chunk as soon as the first
+CPython (3.11, measured here) keeps a thread's Python frames in chunks of 16 KiB and frees a chunk as soon as the first
 frame in it returns. Code that calls a small Python function many times in a row from one depth pays nothing for
 this, unless that depth puts the calls just across a chunk boundary: then every call maps a chunk, faults its pages
 in and unmaps it again. A model pass makes thousands of such calls (eager modules, the w7a8 operator, a compiled
@@ -18,7 +18,7 @@ from typing import Any, Callable, TypeVar
 Result = TypeVar("Result")
 
 # Value-stack slots of 8 bytes reserved by on_fresh_frame_chunk's frame: more than a 16 KiB chunk holds, so the frame
-# never fits in its caller's chunk and opens a new one of 32 KiB, less than half of which it takes.
+# never fits in its caller's chunk and opens a new one of 32 KiB, leaving some 15 KiB to the frames it calls.
 FRESH_CHUNK_SLOTS = 2100
 
 
