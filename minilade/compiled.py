@@ -215,8 +215,7 @@ class CompiledSteps:
         if self.run_layers is None:  # made at the first step: the key names this runner, installed after __init__
             self.run_layers = SavedGraphs(self.graphs, cost_key(model))
         Sp = step_layout[0].shape[-1]
-        keys = [cache.k[i, :, :, :Sp] for i in range(len(model.layers))]
-        values = [cache.v[i, :, :, :Sp] for i in range(len(model.layers))]
+        keys, values = list(cache.k[..., :Sp, :].unbind(0)), list(cache.v[..., :Sp, :].unbind(0))  # a view a layer
         x = self.run_layers(model.layers, x, cos, sin, slots, keys, values, *step_layout)
         if logits_rows is not None:
             x = x[:, logits_rows]
