@@ -172,7 +172,7 @@ def check_invariance(model: Transformer, contexts=(5, 70), width: int = 16, lane
 
 
 def _prefilled(model: Transformer, prompt: torch.Tensor, room: int):
-    with torch.inference_mode(False):  # a cache as generation makes one (compiled graphs are kept per kind of cache)
+    with torch.inference_mode(False):  # a cache as generation makes one
         cache = model.new_cache(prompt.shape[1] + room)
     model(prompt, torch.arange(prompt.shape[1], device=model.device), cache)
     cache.commit(prompt.shape[1])

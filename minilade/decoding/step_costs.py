@@ -55,7 +55,7 @@ class _StepTimer:
         self.context = max(0, min(context, self.limit - max_rows - 1))
         self.gen = torch.Generator().manual_seed(0)
         with torch.inference_mode(False):  # a cache as generation makes one, even when measured inside a generation
-            self.cache = model.new_cache(self.context + max_rows)  # (compiled graphs are kept per kind of cache)
+            self.cache = model.new_cache(self.context + max_rows)
         if self.context > 0:
             device = model.device
             with torch.inference_mode():
