@@ -58,12 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (default): lookahead shaped step by step from the measured cost of a step on this "
                         "machine (W, N, G then bound the largest step), plain decoding where lookahead does not pay; "
                         "autoregressive: plain decoding, one token per forward pass")
-    s.add_argument("--compile", choices=["auto", "on", "off"], default="off",
-                   help="run the decoding steps of every strategy as compiled graphs (torch.compile, CPU): faster "
-                        "steps, but the first run on a machine compiles for a few minutes (the graphs are kept "
-                        "beside its measurements) and every later process spends some 5 s loading them. auto: where "
-                        "they pass the exactness check and measure faster than eager steps here; on: where they "
-                        "pass the check; off (default)")
+    s.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="run the decoding steps of every strategy as compiled graphs (torch.compile, CPU). auto "
+                        "(default): where they pass the exactness check and measure faster than eager steps here; the "
+                        "first run on a machine compiles them (about a minute and a half on 2 cores), later runs load "
+                        "them in some 5 s (kept beside the machine's measurements); on: wherever they pass the check; "
+                        "off: eager steps")
     add_strategy_options(s)
     d = p.add_argument_group("hardware")
     d.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (CUDA only)")
@@ -147,7 +147,7 @@ def run_once(llm: LLM, args: argparse.Namespace, settings: GenerationSettings) -
     if args.json:
         for _ in stream:
             pass
-        print(json.dumps(stream.result.as_dict(), ensure_ascii=False))
+        print(json.dumps({**stream.result.as_dict(), "setup": llm.setup}, ensure_ascii=False))
         return
     result = stream_to_stdout(stream)
     print(flush=True)

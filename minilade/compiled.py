@@ -25,6 +25,7 @@ import hashlib
 import os
 import shutil
 import sys
+import time
 import weakref
 from pathlib import Path
 from typing import Callable
@@ -152,20 +153,18 @@ def tracing_config() -> contextlib.AbstractContextManager:
     ran through compiled_layers_step (dynamo's automatic dynamic shapes: a subgraph with weights of symbolic sizes
     fails to trace in torch 2.13)."""
     stack = contextlib.ExitStack()
-    stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+    stack.enter_context(torch._dynamo.config.patch(specialize_float=True, automatic_dynamic_shapes=False))
     stack.enter_context(shape_config.patch(use_duck_shape=False))
-    stack.enter_context(torch._dynamo.config.patch(automatic_dynamic_shapes=False))
     return stack
 
 
 @functools.cache
 def compiled_layers_step() -> Callable[..., torch.Tensor]:
     """layers_step under torch.compile, shared by every model: used where no folder keeps the graphs (SavedGraphs
-    does; a later process then traces each graph again, some 40 s each for the demo model, inductor's disk cache
-    notwithstanding). A graph is kept per model (its weights' sizes), dtype, one-row or wider step, and whether the
-    cache was made in inference mode; dynamo's default of 8 graphs a function is raised to hold them (past it,
-    fullgraph fails loudly). The graph's host code is inductor's Python wrapper: its C++ one cannot call a subgraph.
-    """
+    does; a later process then traces each graph again, inductor's disk cache notwithstanding). A graph is kept per
+    model (its weights' sizes), dtype and one-row or wider step; dynamo's default of 8 graphs a function is raised
+    to hold them (past it, fullgraph fails loudly). The graph's host code is inductor's Python wrapper: its C++ one
+    cannot call a subgraph."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = torch.compile(layers_step, fullgraph=True)
 
@@ -240,15 +239,14 @@ class CompiledSteps:
 
 class SavedGraphs:
     """layers_step compiled ahead of time (torch.compile's aot_compile) and kept in a folder: a later process loads
-    its graphs (some 4 s in all, most of it importing torch's compiler) instead of tracing them again (some 40 s
-    each for the demo model).
+    its graphs (some 5 s in all, most of it importing torch's compiler) instead of tracing them again (some 35-40 s
+    each for the demo model, on 2 cores).
 
     A graph serves the steps of one kind: one row or several (inductor specialises a size of 1), under the autograd
     and inference modes it was traced in (its guards check them). Each kind is compiled at its first step and saved
     under a name made of the model's cost key (shapes, dtype, layers, machine, torch) and a digest of the code it
-    is traced from, so an edit of that code compiles anew (and the graph traced from the old code is deleted then).
-    A file that does not load is compiled again; a step whose arguments the saved graph's guards refuse runs
-    through compiled_layers_step, traced in this process."""
+    is traced from: an edit of that code compiles anew (deleting the old graph). A file that does not load is
+    compiled again; a step the saved graph's guards refuse runs through compiled_layers_step, traced here."""
 
     def __init__(self, folder: Path, key: str) -> None:
         self.folder, self.key, self.graphs = folder, key, {}
@@ -264,9 +262,8 @@ class SavedGraphs:
         except RuntimeError as error:
             if "GuardManager check failed" not in str(error):
                 raise
-            # Not met in the tests, but possible: the graph was traced for this step's kind with other relations
-            # between its sizes than this step's. The rest of this kind's steps then run through one graph traced
-            # here, so that steps keep one rounding from this one on.
+            # Not met in the tests, but possible (other relations between sizes than at tracing): the rest of this
+            # kind's steps run through one graph traced here, so that steps keep one rounding from this one on.
             print(f"minilade: the saved graph for {kind} steps refuses this one ({one_line(error)[:200]}); "
                   "tracing it here", file=sys.stderr)
             self.graphs[kind] = compiled_layers_step()
@@ -286,8 +283,11 @@ class SavedGraphs:
         # never the whole buffer, PaddedKVCache's spare chunk sees to it: traced from a whole one, a graph demands
         # contiguous views, from a part, parts.)
         mark_dynamic_sizes(args)
+        print(f"minilade: compiling the graph of {kind.split('|')[0]} steps...", end="", file=sys.stderr, flush=True)
+        start = time.perf_counter()
         with tracing_config():
             graph = torch.compile(layers_step, fullgraph=True).aot_compile((args, {}))
+        print(f" {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         graph.save_compiled_function(str(partial))
@@ -378,8 +378,8 @@ def choose_steps(model: Transformer, check_file: str | Path | None = None, *, fo
     key = cost_key(model)
     known = (read_table(check_file) or {}).get(key) if check_file is not None else None
     if known is None:
-        print("minilade: compiling the model's steps (once per machine; a few minutes on 2 cores)...",
-              file=sys.stderr, flush=True)
+        print("minilade: compiling the model's steps, once for this machine (about a minute and a half on 2 cores; "
+              "--compile off or compile=False skips it)", file=sys.stderr, flush=True)
         runner, exact = model.step_runner, check_invariance(model)
         seconds = {}
         for name, step_runner in (("eager", None), ("compiled", runner)):

@@ -82,7 +82,7 @@ class LLM:
     def load(cls, ckpt: str | Path | None = None, *, dtype: str | torch.dtype | None = None,
              device: str | torch.device | None = None, progress: bool = True, exact: bool = True,
              tables: str | Path | bool = True, quantize: str | None = "auto", group_size: int = 32,
-             compile: bool | str = False, tensor_parallel: bool = False) -> LLM:
+             compile: bool | str = "auto", tensor_parallel: bool = False) -> LLM:
         """ckpt: a .gguf file, a folder with config.json and safetensors, a Hugging Face repo id
         (owner/name[@revision]), or None for the demo model (downloaded on first use).
         dtype: float32, bfloat16, float16 (CUDA only) or None for the device's fast default.
@@ -103,11 +103,11 @@ class LLM:
         file keeps weights in Q4_0/Q4_1 codes, int4 (the file's own rounding, nothing more) or w7a8 from those
         codes, whichever steps faster here (measured once, kept in tables), else nothing quantized. None: nothing
         quantized.
-        compile: run the decoding steps as compiled graphs (compiled.py, CPU): "auto" where they pass the
-        exactness check and measure faster than eager steps on this machine (kept in tables), True whenever they
-        pass the check, False (the default) never: the first load on a machine compiles for a few minutes, and a
-        later process spends some 5 s loading the kept graphs (in `tables`; without tables it traces them again, over
-        a minute each) before its first compiled step (docs/benchmarks.md). `self.setup` says what was chosen.
+        compile: run the decoding steps as compiled graphs (compiled.py, CPU): "auto" (the default) where they pass
+        the exactness check and measure faster than eager steps on this machine, True whenever they pass the check,
+        False never. With tables, the first load on a machine compiles them (about a minute and a half for the demo
+        model on 2 cores) and later processes load them in some 5 s; without, every process traces them again.
+        `self.setup` says what was chosen (docs/benchmarks.md).
         tensor_parallel: this process is one rank of a run launched by torchrun; it loads and runs only its shard
         (minilade/parallel; dtype auto is float32 on the CPU, the check is made at every load, no quantization)."""
         if quantize not in (None, "auto"):

@@ -61,9 +61,11 @@ FLAT_COSTS = costs_of(lambda T: 1.0)  # every step costs the same: auto feeds it
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    """python -m minilade.generate with these arguments, its output captured."""
-    return subprocess.run([sys.executable, "-m", "minilade.generate", *args], input=stdin, capture_output=True,
-                          text=True, timeout=300)
+    """python -m minilade.generate with these arguments, its output captured; eager steps unless the arguments say
+    --compile (a test of anything else should not wait for a graph to compile on a machine where compiling pays)."""
+    eager = [] if "--compile" in args else ["--compile", "off"]
+    return subprocess.run([sys.executable, "-m", "minilade.generate", *args, *eager], input=stdin,
+                          capture_output=True, text=True, timeout=300)
 
 
 def assert_cli_error(result: subprocess.CompletedProcess, fact: str) -> None:

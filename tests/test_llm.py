@@ -21,7 +21,7 @@ def llm(tmp_path_factory) -> LLM:
     template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}assistant:{% endif %}")
     folder = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), WORDS, max_positions=128, chat_template=template)
-    return LLM.load(Path(folder), dtype="float32", device="cpu", progress=False)
+    return LLM.load(Path(folder), dtype="float32", device="cpu", progress=False, compile=False)
 
 
 def test_streams_of_one_llm_do_not_disturb_each_other(llm: LLM) -> None:
@@ -117,7 +117,7 @@ def test_from_transformers_equals_loading_the_same_weights_from_disk(tmp_path: P
     hf_model = transformers.LlamaForCausalLM.from_pretrained(folder)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     bridged = LLM.from_transformers(hf_model, hf_tokenizer)
-    from_disk = LLM.load(folder, dtype="float32", device="cpu", progress=False)
+    from_disk = LLM.load(folder, dtype="float32", device="cpu", progress=False, compile=False)
     for prompt, options in [("the cat sat", {}), ("hello", dict(chat=True, system="be brief"))]:
         want = from_disk.generate(prompt, max_new_tokens=12, strategy=Lookahead(2, 3, 2), **options)
         got = bridged.generate(prompt, max_new_tokens=12, strategy=Lookahead(2, 3, 2), **options)
@@ -157,7 +157,7 @@ def test_load_keeps_what_it_measured_where_the_cli_does(tmp_path: Path, monkeypa
     folder = write_tiny_checkpoint(tmp_path / "tiny", WORDS, max_positions=128)
     monkeypatch.setenv("MINILADE_TABLES", str(tmp_path / "tables"))
     (tmp_path / "tables").mkdir()
-    first = LLM.load(folder, progress=False)  # dtype auto: every candidate checked and timed, the winner kept
+    first = LLM.load(folder, progress=False, compile=False)  # dtype auto: each candidate checked and timed
     want = first.generate("the cat sat", max_new_tokens=8)
     checks = json.loads((tmp_path / "tables" / "invariance.json").read_text())
     assert any(key.endswith("|dtype") for key in checks) and (tmp_path / "tables" / "step_costs.json").is_file()
@@ -168,14 +168,14 @@ def test_load_keeps_what_it_measured_where_the_cli_does(tmp_path: Path, monkeypa
     monkeypatch.setattr(device, "check_invariance", measured)
     monkeypatch.setattr(device, "measure_step_costs", measured)
     monkeypatch.setattr(step_costs, "measure_step_costs", measured)
-    again = LLM.load(folder, progress=False)
+    again = LLM.load(folder, progress=False, compile=False)
     assert again.model.dtype == first.model.dtype and again.tables == tmp_path / "tables"
     assert again.generate("the cat sat", max_new_tokens=8).token_ids == want.token_ids
 
     monkeypatch.undo()  # measuring allowed again
     monkeypatch.setenv("MINILADE_TABLES", str(tmp_path / "elsewhere"))
     (tmp_path / "elsewhere").mkdir()
-    unkept = LLM.load(folder, progress=False, tables=False)
+    unkept = LLM.load(folder, progress=False, tables=False, compile=False)
     unkept.generate("the cat sat", max_new_tokens=4)
     assert unkept.tables is None and unkept.cost_file is None and not any((tmp_path / "elsewhere").iterdir())
 

@@ -23,7 +23,7 @@ PROMPTS = {
 
 @pytest.fixture(scope="module")
 def llm(smollm2_gguf) -> LLM:
-    return LLM.load(smollm2_gguf, dtype="float32", device="cpu", progress=False)
+    return LLM.load(smollm2_gguf, dtype="float32", device="cpu", progress=False, compile=False)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_greedy_lookahead_equals_autoregressive(llm, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def llm_bf16(smollm2_gguf) -> LLM:
-    llm = LLM.load(smollm2_gguf, dtype="bfloat16", device="cpu", progress=False)
+    llm = LLM.load(smollm2_gguf, dtype="bfloat16", device="cpu", progress=False, compile=False)
     assert make_exact(llm.model).exact
     return llm
 

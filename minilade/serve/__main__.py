@@ -81,11 +81,12 @@ def model_id(args: argparse.Namespace) -> str:
 
 def loader(args: argparse.Namespace):
     """What the server loads in the background: the model as the CLI loads it (exact by default, its checks kept
-    per machine), and auto's step costs, measured once here instead of inside a request."""
+    per machine) but with eager steps (its batched passes are not compiled), and auto's step costs, measured once
+    here instead of inside a request."""
     def load() -> Served:
         tables = kept_tables_dir()
         llm = LLM.load(args.ckpt, dtype=args.dtype, device=args.device, group_size=args.group_size, progress=False,
-                       quantize=None if args.quantize == "none" else args.quantize)
+                       quantize=None if args.quantize == "none" else args.quantize, compile=False)
         costs = step_costs_for(llm.model, COST_SIZES, tables / "step_costs.json")
         return Served(llm, model_id(args), args.strategy, costs)
     return load

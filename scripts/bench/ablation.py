@@ -94,7 +94,7 @@ def table(records: list[dict]) -> str:
 def job(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     texts = load_prompt_texts(args.data_dir, args.datasets, args.n_prompts)
-    llm = LLM.load(args.ckpt, dtype="float32", device="cpu", progress=False)
+    llm = LLM.load(args.ckpt, dtype="float32", device="cpu", progress=False, compile=False)
     prompts = encode_prompts(llm, texts, show_progress=not args.no_progress)
     records = measure(llm, prompts, args.settings, args.max_new_tokens, not args.no_progress)
     print("\nfloat32, greedy, compression = new tokens / forward passes (prefill included)\n")

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     dtype = "bfloat16" if args.weights == "bfloat16" else "float32"
     quantize = args.weights if args.weights in ("int8", "int4", "w7a8") else None
-    llm = LLM.load(args.ckpt, dtype=dtype, quantize=quantize, progress=False)
+    llm = LLM.load(args.ckpt, dtype=dtype, quantize=quantize, progress=False, compile=False)
     start = time.perf_counter()
     model = compile_steps(llm.model)
     exact = check_invariance(model)

@@ -25,9 +25,9 @@ from .one_token_step import cpu_flags
 SETS = {"mt_bench": ("mt_bench.jsonl", lambda r: r["turns"][0], True),
         "humaneval": ("humaneval.jsonl", lambda r: r["prompt"], False),
         "gsm8k": ("gsm8k_test.jsonl", lambda r: r["question"], True)}
-SETUPS = {"float32": dict(dtype="float32", quantize=None), "int4": dict(quantize="int4"),
+SETUPS = {"float32": dict(dtype="float32", quantize=None, compile=False), "int4": dict(quantize="int4", compile=False),
           "int4 compiled": dict(quantize="int4", compile=True),
-          "w7a8": dict(quantize="w7a8"), "w7a8 compiled": dict(quantize="w7a8", compile=True)}
+          "w7a8": dict(quantize="w7a8", compile=False), "w7a8 compiled": dict(quantize="w7a8", compile=True)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -115,7 +115,7 @@ def job(argv: list[str]) -> int:
         raise UsageError(f"--skip must be >= 0, got {args.skip}")
     texts = load_prompt_texts(args.data_dir, args.datasets, args.skip + args.n_prompts)
     texts = {name: items[args.skip:] for name, items in texts.items()}
-    llm = LLM.load(args.ckpt, dtype=args.dtype, device="cpu", progress=False)
+    llm = LLM.load(args.ckpt, dtype=args.dtype, device="cpu", progress=False, compile=False)
     prompts = encode_prompts(llm, texts, show_progress=not args.no_progress)
     records = compare(llm, prompts, args.settings, args.max_new_tokens, not args.no_progress,
                       desc=f"exactness {args.dtype}", auto=args.auto, first_index=args.skip)

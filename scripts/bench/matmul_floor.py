@@ -55,7 +55,7 @@ def job(argv: list[str]) -> int:
     p.add_argument("--dtypes", nargs="+", choices=CPU_DTYPES, default=list(CPU_DTYPES))
     p.add_argument("--reps", type=positive_int, default=30)
     args = p.parse_args(argv)
-    llm = LLM.load(args.ckpt, dtype="float32", device="cpu", progress=False, exact=False)
+    llm = LLM.load(args.ckpt, dtype="float32", device="cpu", progress=False, exact=False, compile=False)
     matrices = [w for w in llm.model.parameters() if w.dim() == 2]
     print(describe_machine(environment()))
     print(f"{len(matrices)} weight matrices, {sum(w.numel() for w in matrices) / 1e6:.1f} M parameters, "

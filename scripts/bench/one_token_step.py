@@ -68,7 +68,7 @@ def load_model(args: argparse.Namespace) -> Transformer:
     torch.set_num_threads(args.threads)
     quantize = None if args.quantize == "none" else args.quantize
     try:
-        return LLM.load(args.ckpt, dtype="float32", quantize=quantize, progress=False).model
+        return LLM.load(args.ckpt, dtype="float32", quantize=quantize, progress=False, compile=False).model
     except ValueError as e:  # minilade's errors about a checkpoint are ValueErrors (minilade.errors)
         print(f"error: {str(e).strip().splitlines()[0]}", file=sys.stderr)
         raise SystemExit(2) from None

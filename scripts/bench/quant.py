@@ -186,7 +186,7 @@ def humaneval_ids(llm: LLM, args: argparse.Namespace, n: int) -> list[list[int]]
 def load_real(args: argparse.Namespace) -> tuple[LLM, Checkpoint]:
     # Plain layers that copy.deepcopy can copy (prepacked ones cannot); variants() then makes each copy
     # batch-invariant, as LLM.load does.
-    llm = LLM.load(args.ckpt, dtype="float32", progress=False, exact=False)
+    llm = LLM.load(args.ckpt, dtype="float32", progress=False, exact=False, compile=False)
     return llm, open_checkpoint(args.ckpt, progress=False)
 
 

@@ -203,7 +203,7 @@ def record(args: argparse.Namespace, command: str) -> int:
     """Plain greedy decoding of every prompt on the real model; writes prompts and outputs."""
     from minilade import LLM, Autoregressive
 
-    llm = LLM.load(args.ckpt, dtype="float32")
+    llm = LLM.load(args.ckpt, dtype="float32", compile=False)
     prompts = encode_prompts(llm, load_prompt_texts(args.data_dir, args.datasets, args.n_prompts),
                              show_progress=not args.no_progress)
     records = []
@@ -294,7 +294,7 @@ def live(args: argparse.Namespace, command: str) -> int:
     records = load_records(args.ar)
     costs = None if args.costs is None else StepCosts(load_costs(args.costs))
     strategies = [with_costs(parse_strategy(s), costs) for s in args.strategies]
-    llm = LLM.load(args.ckpt, dtype="float32")
+    llm = LLM.load(args.ckpt, dtype="float32", compile=False)
     print(f"command: {command}\n\n| dataset | strategy | compression | rows fed/step | exact |\n"
           "| --- | --- | --- | --- | --- |")
     results = []

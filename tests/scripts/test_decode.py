@@ -232,7 +232,7 @@ def test_a_history_row_drafts_from_answers_to_other_prompts_only(tiny_checkpoint
     args = decode.parse_args(["--ckpt", str(tiny_checkpoint), "--data-dir", str(data_dir), "--datasets", "humaneval",
                               "gsm8k", "--n-prompts", "1", "--max-new-tokens", "5", "--auto", "2,3,1",
                               "2,3,1:history=1", "--no-lookahead", "--no-transformers", "--no-progress"])
-    llm = LLM.load(tiny_checkpoint)
+    llm = LLM.load(tiny_checkpoint, compile=False)
     histories = decode.seeded_histories(args, llm)
     history = histories[1]
     assert history.frozen

@@ -27,7 +27,7 @@ from .helpers import CONTEXT, free_port, start_server
 
 @pytest.fixture(scope="module")
 def llm(tiny_ckpt, kept_tables) -> LLM:
-    return LLM.load(tiny_ckpt, dtype="float32", progress=False)
+    return LLM.load(tiny_ckpt, dtype="float32", progress=False, compile=False)
 
 
 def job(prompt: list[int], strategy: str = "autoregressive", max_new_tokens: int = 24) -> tuple[Job, queue.Queue]:

@@ -39,7 +39,7 @@ STRATEGY = ("window", "ngram", "guesses")
 def alone(tiny_ckpt, kept_tables):
     """The same checkpoint loaded here as the server loads it; auto steps by the costs the server measured and
     kept, so that seeded sampling takes the same steps."""
-    llm = LLM.load(tiny_ckpt, dtype="float32", progress=False)
+    llm = LLM.load(tiny_ckpt, dtype="float32", progress=False, compile=False)
     costs = step_costs_for(llm.model, COST_SIZES, kept_tables / "step_costs.json")
 
     def generate(chat: bool, prompt, fields: dict):
