@@ -192,7 +192,7 @@ class CompiledSteps:
         self.name = f"compiled {traced_code_digest()[:12]}"
         self.graphs = graphs
         self.run_layers: Callable[..., torch.Tensor] | None = None if graphs is not None else compiled_layers_step()
-        self.views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per cache: layer_views
+        self.layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per cache: layer_views
 
     def __call__(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
                  mask: torch.Tensor | None, logits_rows: torch.Tensor | None) -> torch.Tensor:
@@ -208,13 +208,13 @@ class CompiledSteps:
         The memory is the cache's, only the storage objects new (torch.from_numpy): views of one buffer tell the
         compiler that the 2L inputs a step writes into may overlap, and its alias analysis of them (symbolic in the
         slots) took half of a graph's compile time, 82 s against 40 s a graph of the demo model. Layers never
-        overlap, so nothing is hidden that the graph relies on. Kept per cache, cut again as the slots grow."""
-        views = self.views.get(cache)
-        if views is None or views[0] != n_slots:
-            layers = views[1] if views is not None else tuple(
-                [torch.from_numpy(layer) for layer in buffer.numpy()] for buffer in (cache.k, cache.v))
-            views = self.views[cache] = n_slots, layers, tuple([t[:, :, :n_slots] for t in ts] for ts in layers)
-        return views[2]
+        overlap, so nothing is hidden that the graph relies on. The storages are kept per cache, the views cut anew
+        each step (a view a graph was compiled from keeps dynamo's marks, which other graphs' guards refuse)."""
+        if cache not in self.layers:
+            with torch.inference_mode(False):  # tensors of the same kind whichever mode the first step runs in
+                self.layers[cache] = tuple([torch.from_numpy(t) for t in b.numpy()] for b in (cache.k, cache.v))
+        keys, values = self.layers[cache]
+        return [t.narrow(2, 0, n_slots) for t in keys], [t.narrow(2, 0, n_slots) for t in values]
 
     def step(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
              mask: torch.Tensor | None, logits_rows: torch.Tensor | None) -> torch.Tensor:
@@ -253,7 +253,7 @@ class SavedGraphs:
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         x = args[1]
-        kind = f"{'one row' if x.shape[1] == 1 else 'rows'}|grad {torch.is_grad_enabled()}|" \
+        kind = f"{'one-row' if x.shape[1] == 1 else 'wider'}|grad {torch.is_grad_enabled()}|" \
                f"inference {torch.is_inference_mode_enabled()}"
         if kind not in self.graphs:
             self.graphs[kind] = self._load_or_compile(kind, args)
