@@ -42,9 +42,9 @@ def test_a_finished_stream_hands_its_cache_to_the_next(llm: LLM, monkeypatch) ->
     monkeypatch.setattr(llm.model, "new_cache", lambda *args, **kwargs: made.append(args) or new_cache(*args, **kwargs))
     llm.generate("c d", max_new_tokens=4)
     assert made == []  # the finished generation's cache was taken again
-    held = iter(llm.stream("e f", max_new_tokens=4))
+    held = iter(llm.stream("a b", max_new_tokens=4))  # prompts of two tokens each: the first cache fits them all
     next(held)  # this stream holds the cache now
-    llm.generate("g h", max_new_tokens=4)
+    llm.generate("c d", max_new_tokens=4)
     assert len(made) == 1  # so the next generation needed a cache of its own
 
 
