@@ -20,7 +20,7 @@ from .checkpoints.support import describe_support
 from .decoding import STRATEGIES, GenerationSettings, make_strategy
 from .errors import CheckpointError, TokenizerError, UnsupportedModelError
 from .llm import LLM, Generation, TextStream
-from .parallel import end_failed_run, launched_with_ranks, quiet_unless_leader, read_on_leader, shutdown
+from .parallel import end_run, launched_with_ranks, quiet_unless_leader, read_on_leader
 from .quant import check_options
 from .sampling import SamplingParams
 
@@ -214,16 +214,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run_interactive(llm, args, settings)
             else:
                 run_once(llm, args, settings)
-        shutdown(finished=True)
+        return end_run(0, finished=True)
     except (ValueError, CheckpointError, TokenizerError, UnsupportedModelError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return end_failed_run(EXIT_USAGE)
+        return end_run(EXIT_USAGE)
     except KeyboardInterrupt:
         print("", file=sys.stderr)
-        return end_failed_run(130)
-    finally:
-        shutdown()
-    return 0
+        return end_run(130)
 
 
 def console(argv: Sequence[str] | None = None) -> int:

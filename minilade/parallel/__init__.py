@@ -12,11 +12,11 @@ Every strategy runs unchanged on top: the collectives leave the same bits on eve
 same logits and decides the same tokens; the seed and auto's step costs come from rank 0.
 """
 
-from .group import TensorParallelError, end_failed_run, init_tensor_parallel, launched_with_ranks, shutdown
+from .group import TensorParallelError, end_run, init_tensor_parallel, launched_with_ranks
 from .layers import from_rank0, is_leader, process_group, quiet_unless_leader, read_on_leader
 from .load import load_shard
 from .plan import ShardPlan, valid_rank_counts
 
-__all__ = ["ShardPlan", "TensorParallelError", "end_failed_run", "from_rank0", "init_tensor_parallel", "is_leader",
-           "launched_with_ranks", "load_shard", "process_group", "quiet_unless_leader", "read_on_leader", "shutdown",
+__all__ = ["ShardPlan", "TensorParallelError", "end_run", "from_rank0", "init_tensor_parallel", "is_leader",
+           "launched_with_ranks", "load_shard", "process_group", "quiet_unless_leader", "read_on_leader",
            "valid_rank_counts"]

@@ -108,23 +108,17 @@ def gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def shutdown(finished: bool = False) -> None:
-    """Leave the process group, if this process is in one (at the end of a run). finished: every rank got here
-    normally, so they first wait for one another and none closes its connections while another may still read
-    from them (gloo aborts a process whose peer vanished mid-read: "terminate called without an active
-    exception"). After a failure there is no barrier: it could wait for a rank that never comes."""
+def end_run(exit_code: int, finished: bool = False) -> int:
+    """The end of a run: exit_code, to return from main. A process in a process group ends here at once instead,
+    its output flushed, without leaving the group: leaving tears down connections that a peer may still be reading
+    from, and gloo then aborts the process as it leaves or exits ("terminate called without an active exception",
+    exit -6 instead of exit_code: seen after failed runs on 1 run in 3, and after finished ones now and then on a
+    loaded machine, even past a barrier). finished: every rank got here normally, so they first wait for one
+    another, and none ends while another still needs it. After a failure there is no barrier: it could wait for a
+    rank that never comes."""
     if dist.is_initialized():
         if finished:
             collective("waiting for the other ranks to finish", dist.barrier)
-        dist.destroy_process_group()
-
-
-def end_failed_run(exit_code: int) -> int:
-    """After a failure that was reported (its one line written): exit_code, to return from main. A process in a
-    process group ends here at once instead, its output flushed and no connection torn down: a peer may have
-    vanished mid-read, and then gloo aborts the process while it leaves the group or exits ("terminate called
-    without an active exception", exit -6 instead of exit_code; seen on 1 run in 3 on a fast machine)."""
-    if dist.is_initialized():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code)

@@ -24,7 +24,7 @@ from minilade.decoding import (
     decode_tokens,
 )
 from minilade.model import Transformer
-from minilade.parallel import TensorParallelError, end_failed_run, from_rank0, init_tensor_parallel, shutdown
+from minilade.parallel import TensorParallelError, end_run, from_rank0, init_tensor_parallel
 from minilade.parallel.load import build_rank_model, checkpoint_parts
 from minilade.parallel.plan import ShardPlan
 from minilade.sampling import SamplingParams
@@ -115,13 +115,10 @@ def main(scenario: str, folder: str, *args: str) -> int:
     try:
         result = SCENARIOS[scenario](folder, *args)
         torch.save(result, Path(folder) / f"rank{rank}.pt")
-        shutdown(finished=True)
+        return end_run(0, finished=True)
     except (TensorParallelError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
-        return end_failed_run(2)
-    finally:
-        shutdown()
-    return 0
+        return end_run(2)
 
 
 if __name__ == "__main__":
