@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="run the decoding steps of every strategy as compiled graphs (torch.compile, CPU). auto "
                         "(default): where they pass the exactness check and measure faster than eager steps here; the "
-                        "first run on a machine compiles them (about a minute and a half on 2 cores), later runs load "
+                        "first run on a machine compiles them (under a minute on 2 cores), later runs load "
                         "them in some 5 s (kept beside the machine's measurements); on: wherever they pass the check; "
                         "off: eager steps")
     add_strategy_options(s)

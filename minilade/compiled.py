@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.distributed as dist
 import torch.fx.experimental._config as shape_config
 import torch.nn.functional as F
@@ -52,6 +53,7 @@ from .invariance import (
     work_dtype,
 )
 from .kv_cache import KVCache
+from .masks import interleaved_step
 from .memo import read_table, write_entry
 from .model import Block, Transformer
 
@@ -218,6 +220,17 @@ class CompiledSteps:
 
     def step(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
              mask: torch.Tensor | None, logits_rows: torch.Tensor | None) -> torch.Tensor:
+        if self.run_layers is None:  # made at the first step: the key names this runner, installed after __init__
+            self.run_layers = SavedGraphs(self.graphs, cost_key(model))
+        x = self.run_layers(*self.layers_inputs(model, tokens, input_pos, cache, mask))
+        if logits_rows is not None:
+            x = x[:, logits_rows]
+        return model.output(model.norm(x))
+
+    def layers_inputs(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
+                      mask: torch.Tensor | None) -> tuple:
+        """The step's host code: layers_step's arguments for a step of `tokens` (B, T) (the embedded rows, their
+        rotary tables, the cache slots they go to, each layer's cache views and the step's layout)."""
         T, past = tokens.shape[1], cache.length
         cos, sin = model.rotary(input_pos)
         visible, reach = model.step_masks(mask, past, T, input_pos)
@@ -228,19 +241,14 @@ class CompiledSteps:
         # left, and a saved graph guards on it (x.stride()[0] in a wide step's graph).
         x = model.tok_embeddings(tokens).to(model.dtype).clone(memory_format=torch.contiguous_format)
         cos, sin = (t.clone(memory_format=torch.contiguous_format) for t in (cos, sin))
-        if self.run_layers is None:  # made at the first step: the key names this runner, installed after __init__
-            self.run_layers = SavedGraphs(self.graphs, cost_key(model))
         keys, values = self.layer_views(cache, step_layout[0].shape[-1])
-        x = self.run_layers(model.layers, x, cos, sin, slots, keys, values, *step_layout)
-        if logits_rows is not None:
-            x = x[:, logits_rows]
-        return model.output(model.norm(x))
+        return model.layers, x, cos, sin, slots, keys, values, *step_layout
 
 
 class SavedGraphs:
     """layers_step compiled ahead of time (torch.compile's aot_compile) and kept in a folder: a later process loads
-    its graphs (some 5 s in all, most of it importing torch's compiler) instead of tracing them again (some 35-40 s
-    each for the demo model, on 2 cores).
+    its graphs (some 5 s in all, most of it importing torch's compiler) instead of tracing them again (some 20-40 s
+    each for the demo model, on 2 cores; compile_kinds_at_once compiles the two kinds at once).
 
     A graph serves the steps of one kind: one row or several (inductor specialises a size of 1), under the autograd
     and inference modes it was traced in (its guards check them). Each kind is compiled at its first step and saved
@@ -251,10 +259,19 @@ class SavedGraphs:
     def __init__(self, folder: Path, key: str) -> None:
         self.folder, self.key, self.graphs = folder, key, {}
 
-    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
-        x = args[1]
-        kind = f"{'one-row' if x.shape[1] == 1 else 'wider'}|grad {torch.is_grad_enabled()}|" \
+    @staticmethod
+    def kind(rows: int) -> str:
+        """The kind of graph that serves a step of `rows` rows in the current autograd and inference modes."""
+        return f"{'one-row' if rows == 1 else 'wider'}|grad {torch.is_grad_enabled()}|" \
                f"inference {torch.is_inference_mode_enabled()}"
+
+    def path(self, kind: str) -> tuple[str, Path]:
+        """The name of a kind's graph (the same for every version of the traced code) and its file."""
+        graph_name = f"layers-step-{hashlib.sha256(f'{self.key}|{kind}'.encode()).hexdigest()[:16]}"
+        return graph_name, self.folder / f"{graph_name}-{traced_code_digest()[:16]}.pt2"
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        kind = self.kind(args[1].shape[1])
         if kind not in self.graphs:
             self.graphs[kind] = self._load_or_compile(kind, args)
         try:
@@ -270,24 +287,30 @@ class SavedGraphs:
             return self.graphs[kind](*args)
 
     def _load_or_compile(self, kind: str, args: tuple) -> Callable[..., torch.Tensor]:
-        graph_name = f"layers-step-{hashlib.sha256(f'{self.key}|{kind}'.encode()).hexdigest()[:16]}"
-        path = self.folder / f"{graph_name}-{traced_code_digest()[:16]}.pt2"
+        path = self.path(kind)[1]
         if path.exists():
             try:
                 with path.open("rb") as f:
                     return torch.compiler.load_compiled_function(f)
             except Exception as error:  # a damaged or foreign file raises whatever its unpickling meets
                 print(f"minilade: compiling again: {path} did not load ({one_line(error)})", file=sys.stderr)
+        print(f"minilade: compiling the graph of {kind.split('|')[0]} steps...", end="", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        graph = self.compile(kind, args)
+        print(f" {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        return graph
+
+    def compile(self, kind: str, args: tuple) -> Callable[..., torch.Tensor]:
+        """Trace and compile the graph of a kind of step from one step's arguments, and save it (replacing the
+        same graph traced from other code)."""
         # One graph must serve every later step of its kind, and aot_compile sees one step: every size that changes
         # from step to step is marked dynamic, as torch.compile would find from a second step. (The cache views are
         # never the whole buffer, PaddedKVCache's spare chunk sees to it: traced from a whole one, a graph demands
         # contiguous views, from a part, parts.)
         mark_dynamic_sizes(args)
-        print(f"minilade: compiling the graph of {kind.split('|')[0]} steps...", end="", file=sys.stderr, flush=True)
-        start = time.perf_counter()
         with tracing_config():
             graph = torch.compile(layers_step, fullgraph=True).aot_compile((args, {}))
-        print(f" {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        graph_name, path = self.path(kind)
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         graph.save_compiled_function(str(partial))
@@ -296,6 +319,73 @@ class SavedGraphs:
             if stale != path:
                 stale.unlink(missing_ok=True)
         return graph
+
+
+def compile_kinds_at_once(model: Transformer) -> None:
+    """Compile the saved graphs of one-row and of wider steps (SavedGraphs) at the same time, where neither is
+    saved yet: the wider one in a forked process, the one-row one here. Tracing and lowering a graph is Python, one
+    core's work (some 20-40 s a graph for the demo model on 2 cores), so the two take about as long as one.
+
+    The second process only traces and saves: its inputs are made here before the fork, over a cache whose
+    contents do not matter (a trace sees shapes), and it runs no kernel, so it needs none of the OpenMP threads a
+    fork does not copy (and keeps torch's thread count, which a graph's guards check). If it fails, its graph is
+    compiled here at the first wider step, as without this. Nothing is done where there is no fork (not Linux) or
+    one core, nor for a model whose steps are not saved graphs."""
+    runner = model.step_runner
+    if not (isinstance(runner, CompiledSteps) and runner.graphs is not None and sys.platform == "linux"
+            and (os.cpu_count() or 1) > 1):
+        return
+    if runner.run_layers is None:
+        runner.run_layers = SavedGraphs(runner.graphs, cost_key(model))
+    graphs, device = runner.run_layers, model.device
+    with torch.inference_mode(False):  # a cache as generation makes one
+        cache = model.new_cache(64)
+    cache.commit(5)  # as if after a prompt of 5 tokens
+    with torch.inference_mode():  # the mode every step runs in (decoding, the check, the step-cost timer)
+        kinds = {rows: graphs.kind(rows) for rows in (1, 16)}
+        if any(graphs.path(kind)[1].exists() or kind in graphs.graphs for kind in kinds.values()):
+            return
+        positions, mask = interleaved_step(5, 16, lanes=4)
+        inputs = {1: runner.layers_inputs(model, torch.zeros(1, 1, dtype=torch.long, device=device),
+                                          torch.tensor([[5]], device=device), cache, None),
+                  16: runner.layers_inputs(model, torch.zeros(1, 16, dtype=torch.long, device=device),
+                                           positions[None].to(device), cache, mask.to(device))}
+        print("minilade: compiling the graphs of one-row and of wider steps (the wider in a second process)...",
+              end="", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:  # the second process: trace, save, and go without running any exit handler
+            status = 1
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # the parent speaks for both
+                inductor_config.compile_threads = 1  # C++ compiled here, not by workers the parent may have started
+                graphs.compile(kinds[16], inputs[16])
+                status = 0
+            finally:
+                os._exit(status)
+        try:
+            graphs.graphs[kinds[1]] = graphs.compile(kinds[1], inputs[1])
+        finally:
+            failed = wait_or_kill(pid, bound_s=2 * (time.perf_counter() - start) + 30)
+    print(f" {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    if failed:
+        print(f"minilade: the second process did not save its graph ({failed}); it is compiled at the first wider "
+              f"step", file=sys.stderr, flush=True)
+
+
+def wait_or_kill(pid: int, bound_s: float) -> str | None:
+    """Wait for a child process for at most bound_s seconds: None if it exited 0, else how it ended, killed here
+    past the bound (a fork of a process with other threads can deadlock in the child, on a lock one of them held)."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            return None if code == 0 else f"exit status {code}"
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return f"killed after {bound_s:.0f} s"
 
 
 @functools.cache
@@ -378,8 +468,9 @@ def choose_steps(model: Transformer, check_file: str | Path | None = None, *, fo
     key = cost_key(model)
     known = (read_table(check_file) or {}).get(key) if check_file is not None else None
     if known is None:
-        print("minilade: compiling the model's steps, once for this machine (about a minute and a half on 2 cores; "
+        print("minilade: compiling the model's steps, once for this machine (under a minute on 2 cores; "
               "--compile off or compile=False skips it)", file=sys.stderr, flush=True)
+        compile_kinds_at_once(model)
         runner, exact = model.step_runner, check_invariance(model)
         seconds = {}
         for name, step_runner in (("eager", None), ("compiled", runner)):

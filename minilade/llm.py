@@ -105,8 +105,8 @@ class LLM:
         quantized.
         compile: run the decoding steps as compiled graphs (compiled.py, CPU): "auto" (the default) where they pass
         the exactness check and measure faster than eager steps on this machine, True whenever they pass the check,
-        False never. With tables, the first load on a machine compiles them (about a minute and a half for the demo
-        model on 2 cores) and later processes load them in some 5 s; without, every process traces them again.
+        False never. With tables, the first load on a machine compiles them (under a minute for the demo model on 2
+        cores) and later processes load them in some 5 s; without, every process traces them again.
         `self.setup` says what was chosen (docs/benchmarks.md).
         tensor_parallel: this process is one rank of a run launched by torchrun; it loads and runs only its shard
         (minilade/parallel; dtype auto is float32 on the CPU, the check is made at every load, no quantization)."""

@@ -6,6 +6,7 @@ Compiling is slow on a small CPU, so the models are tiny and few: every test reu
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -117,14 +118,18 @@ def kept(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("kept")
 
 
-def test_steps_are_compiled_when_asked_and_exact_and_the_setup_says_so(monkeypatch, kept) -> None:
+def test_steps_are_compiled_when_asked_and_exact_and_the_setup_says_so(monkeypatch, kept, capsys) -> None:
     """choose_steps (what LLM.load(compile=...) runs): forced, the compiled runner is installed, its verdict kept
-    in the check file and its graphs beside it; without a C++ compiler the model stays eager and the reason is
+    in the check file and its graphs beside it, the two kinds compiled at once (the wider in a second process,
+    whose saved graph the check's steps then load); without a C++ compiler the model stays eager and the reason is
     given."""
     model = compiled_model("w7a8")
     model.step_runner = None
     check_file = kept / "invariance.json"
-    assert choose_steps(model, check_file, force=True).startswith("compiled steps")
+    assert choose_steps(model, check_file, force=True).startswith("compiled steps")  # the check passed
+    err = capsys.readouterr().err
+    assert "compiling the graphs of one-row and of wider steps (the wider in a second process)... " in err
+    assert "compiling the graph of" not in err and "did not save" not in err and "refuses" not in err, err
     assert model.step_runner is not None and check_file.exists()
     assert len(list((kept / compiled.GRAPHS_FOLDER).glob("*.pt2"))) == 2  # one-row steps and wider ones
     monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
@@ -132,6 +137,28 @@ def test_steps_are_compiled_when_asked_and_exact_and_the_setup_says_so(monkeypat
     assert choose_steps(model, check_file, force=True) == \
         "eager steps (no C++ compiler (g++, c++ or clang++) on PATH)"
     assert model.step_runner is None
+
+
+def test_a_second_process_that_fails_leaves_its_graph_to_the_first_step_of_its_kind(tmp_path, monkeypatch,
+                                                                                    capsys) -> None:
+    """compiled.compile_kinds_at_once: where the second process does not save the wider steps' graph, one line says
+    so, and the first wider step compiles it here; the steps are still the ones a model compiled here computes."""
+    parent, compile_graph = os.getpid(), compiled.SavedGraphs.compile
+
+    def failing_in_the_second_process(self, kind, args):
+        if os.getpid() != parent:
+            raise RuntimeError("a test's")
+        return compile_graph(self, kind, args)
+
+    monkeypatch.setattr(compiled.SavedGraphs, "compile", failing_in_the_second_process)
+    model = compiled_model("w7a8", graphs=tmp_path)
+    compiled.compile_kinds_at_once(model)
+    assert "the second process did not save its graph (exit status 1)" in capsys.readouterr().err
+    assert len(list(tmp_path.glob("*.pt2"))) == 1
+    got = two_steps(model)
+    assert "compiling the graph of wider steps... " in capsys.readouterr().err
+    assert len(list(tmp_path.glob("*.pt2"))) == 2
+    assert all(torch.equal(a, b) for a, b in zip(got, two_steps(compiled_model("w7a8")), strict=True))
 
 
 def two_steps(model: Transformer, capacity: int = 40) -> list[torch.Tensor]:
