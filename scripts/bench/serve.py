@@ -7,7 +7,10 @@ level (their order rotating), so that slow and fast spells of a shared machine f
 - batched-plain: every request's generation shares each forward pass, plain decoding (strategy autoregressive);
 - batched-auto: the same with auto, greedy requests sizing their drafts for the whole pass (the default);
 - batched-auto-alone: auto with --plan alone, each request sizing its drafts as if it ran alone.
-At one client, `library` is the same prompts through LLM.generate with auto in this process (what the CLI does).
+At one client, `library` is the same prompts through LLM.generate with auto in this process, with the server's
+eager steps (what the CLI does with --compile off: the answers every mode must equal), and `library compiled` the
+same with compiled steps where they are chosen (the CLI's default; its answers may differ from eager ones, which
+round differently, so only its speed compares).
 Where `llama-server` is on PATH (llama.cpp's, e.g. built from the source vendored in llama-cpp-python), it serves
 the same GGUF file with the same threads and one slot per client beside them (mode llama-server).
 Each client streams its prompts one after another (chat prompts from MT-Bench or GSM8K, code from HumanEval,
@@ -237,11 +240,13 @@ def summarise(answers: list[dict], seconds: float, before: dict, after: dict) ->
             "drafts": {k: v for k, v in sorted(drafts.items()) if v}}
 
 
-def library_run(args: argparse.Namespace, chat: bool) -> Callable[[list[str]], tuple[list[dict], float]]:
-    """Runs prompts one after another through LLM.generate with auto in this process, as the CLI runs them."""
+def library_run(args: argparse.Namespace, chat: bool, compile: str | bool
+                ) -> Callable[[list[str]], tuple[list[dict], float]]:
+    """Runs prompts one after another through LLM.generate with auto in this process, as the CLI runs them, its
+    steps compiled as `compile` says (LLM.load's argument)."""
     from minilade import LLM
     llm = LLM.load(args.ckpt, dtype=args.dtype, quantize=None if args.quantize == "none" else args.quantize,
-                   progress=False)
+                   progress=False, compile=compile)
 
     def run(prompts: list[str]) -> tuple[list[dict], float]:
         llm.generate(prompts[0], chat=chat, max_new_tokens=8, strategy="auto", temperature=0)  # warm-up
@@ -274,16 +279,17 @@ def main_job(argv: list[str]) -> int:
             servers[LLAMA_SERVER] = peer
             peer.wait_ready()
             one_request(peer.url, prompts[-1], chat, 16)
-        library = None if args.no_library else library_run(args, chat)
+        libraries = {} if args.no_library else {"library": library_run(args, chat, compile=False),
+                                                  "library compiled": library_run(args, chat, compile="auto")}
         offset = 0
         for level, clients in enumerate(args.clients):
             share = prompts[offset:offset + clients * args.prompts_per_client]
             modes = (args.modes + ([LLAMA_SERVER] if LLAMA_SERVER in servers else [])
-                     + (["library"] if library and level == 0 else []))
+                     + (list(libraries) if level == 0 else []))
             texts: dict[str, dict[int, str]] = {}
             for mode in modes[level % len(modes):] + modes[:level % len(modes)]:  # the order rotates by level
-                if mode == "library":
-                    answers, seconds = library(share)
+                if mode in libraries:
+                    answers, seconds = libraries[mode](share)
                     row = summarise(answers, seconds, {}, {})
                 else:
                     before = servers[mode].metrics()
