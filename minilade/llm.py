@@ -196,7 +196,7 @@ class LLM:
             make_exact(model, check_file)
         steps = "eager steps"
         if exact and compile:
-            from .compiled import choose_steps  # torch.compile's machinery, imported only when asked for
+            from .compile_policy import choose_steps  # torch.compile's machinery, imported only when asked for
             steps = choose_steps(model, check_file, force=compile is True)
         llm = cls(model, tokenizer, name, tables=tables)
         quantized = quantized_layers(model)

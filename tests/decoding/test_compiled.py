@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from minilade import Auto, Autoregressive, Lookahead, compiled
-from minilade.compiled import choose_steps, chunked_attention, compile_steps, graph_layout
+from minilade import Auto, Autoregressive, Lookahead, compile_policy, compiled
+from minilade.compile_policy import choose_steps
+from minilade.compiled import chunked_attention, compile_steps, graph_layout
 from minilade.config import ModelConfig
 from minilade.device import check_invariance, make_exact
 from minilade.invariance import invariant_attention, key_layout, pad_keys_values
@@ -132,7 +133,7 @@ def test_steps_are_compiled_when_asked_and_exact_and_the_setup_says_so(monkeypat
     assert "compiling the graph of" not in err and "did not save" not in err and "refuses" not in err, err
     assert model.step_runner is not None and check_file.exists()
     assert len(list((kept / compiled.GRAPHS_FOLDER).glob("*.pt2"))) == 2  # one-row steps and wider ones
-    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    monkeypatch.setattr(compile_policy.shutil, "which", lambda name: None)
     model.step_runner = None
     assert choose_steps(model, check_file, force=True) == \
         "eager steps (no C++ compiler (g++, c++ or clang++) on PATH)"
@@ -141,8 +142,9 @@ def test_steps_are_compiled_when_asked_and_exact_and_the_setup_says_so(monkeypat
 
 def test_a_second_process_that_fails_leaves_its_graph_to_the_first_step_of_its_kind(tmp_path, monkeypatch,
                                                                                     capsys) -> None:
-    """compiled.compile_kinds_at_once: where the second process does not save the wider steps' graph, one line says
-    so, and the first wider step compiles it here; the steps are still the ones a model compiled here computes."""
+    """compile_policy.compile_kinds_at_once: where the second process does not save the wider steps' graph, one line
+    says so, and the first wider step compiles it here; the steps are still the ones a model compiled here
+    computes."""
     parent, compile_graph = os.getpid(), compiled.SavedGraphs.compile
 
     def failing_in_the_second_process(self, kind, args):
@@ -152,7 +154,7 @@ def test_a_second_process_that_fails_leaves_its_graph_to_the_first_step_of_its_k
 
     monkeypatch.setattr(compiled.SavedGraphs, "compile", failing_in_the_second_process)
     model = compiled_model("w7a8", graphs=tmp_path)
-    compiled.compile_kinds_at_once(model)
+    compile_policy.compile_kinds_at_once(model)
     assert "the second process did not save its graph (exit status 1)" in capsys.readouterr().err
     assert len(list(tmp_path.glob("*.pt2"))) == 1
     got = two_steps(model)
