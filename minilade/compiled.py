@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from .decoding.step_costs import cost_key
 from .errors import one_line
 from .frame_stack import on_fresh_frame_chunk
+from .integer_linear import W7A8Linear, load_native_matmul
 from .invariance import (
     KEY_CHUNK,
     LOG2_E,
@@ -348,8 +349,10 @@ def compile_steps(model: Transformer, graphs: Path | None = None) -> Transformer
     layout chunked_attention computes, and the padded cache it reads), installed first when it is not; its row-tiled
     linear layers (device.make_exact) get the row count at which F.linear, the kernel a graph calls, gives every row
     the same bits (invariance.find_tiling on the unpacked kernel). device.check_invariance then tells whether the
-    compiled steps are exact. graphs: a folder where the graphs are kept for later processes (SavedGraphs), or None
-    (traced in this process). CPU only: on CUDA no compiled step has been built or tested. Returns the model."""
+    compiled steps are exact; its w7a8 layers' matmul in a graph gets its C++ body where one can be built
+    (integer_linear.load_native_matmul; else a line says why and the Python body stays). graphs: a folder where the
+    graphs are kept for later processes (SavedGraphs), or None (traced in this process). CPU only: on CUDA no
+    compiled step has been built or tested. Returns the model."""
     if model.device.type != "cpu":
         raise ValueError(f"compiled steps are built and tested for the CPU only, not {model.device.type}; "
                          f"run without compiling there")
@@ -365,5 +368,9 @@ def compile_steps(model: Transformer, graphs: Path | None = None) -> Transformer
                 tiling = find_tiling(module.weight, packed=False)
                 rows[key] = tiling.rows if tiling is not None and not tiling.split else 1  # the check says
             module.graph_rows = rows[key]
+    if any(isinstance(module, W7A8Linear) for module in model.modules()):
+        missing = load_native_matmul()
+        if missing:
+            print(f"minilade: w7a8 matmuls in compiled steps call their Python body ({missing})", file=sys.stderr)
     model.step_runner = CompiledSteps(model, graphs)
     return model

@@ -34,11 +34,14 @@ import warnings
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+
+from .errors import one_line
 
 WEIGHT_LEVELS = 63       # weight codes in [-63, 63]
 ACTIVATION_LEVELS = 127  # activation codes in [-127, 127], handed to the kernel as u8 with zero point 128
@@ -103,10 +106,12 @@ def pack_weights(weights: Iterable[torch.Tensor]) -> Iterator[PackedWeight]:
 # fbgemm's packed weight is an object a compiled graph cannot hold. Inside one, a layer's matmul is the operator
 # minilade::w7a8_matmul, handed the layer's weight scales (a tensor: the graph lifts it as an input, so layers of one
 # shape share a graph), by whose storage it finds the layer here. Registered on the dispatcher directly: through
-# torch's custom_op decorator a compiled one-row step of the demo model took 26.8 ms, against 23.8 (measured).
+# torch's custom_op decorator a compiled one-row step of the demo model took 26.8 ms, against 23.8 (measured). Its
+# body is Python below, or C++ where load_native_matmul could build it (csrc/w7a8_matmul.cpp).
 _LAYERS: weakref.WeakValueDictionary[int, W7A8Linear] = weakref.WeakValueDictionary()
 _LIBRARY = torch.library.Library("minilade", "DEF")
 _LIBRARY.define("w7a8_matmul(Tensor codes, Tensor weight_scales) -> Tensor")
+NATIVE_SOURCE = Path(__file__).parent / "csrc" / "w7a8_matmul.cpp"
 
 
 def w7a8_matmul(codes: torch.Tensor, weight_scales: torch.Tensor) -> torch.Tensor:
@@ -116,7 +121,41 @@ def w7a8_matmul(codes: torch.Tensor, weight_scales: torch.Tensor) -> torch.Tenso
     return layer.kernel(codes, 1.0, ZERO_POINT, layer.packed)
 
 
-_LIBRARY.impl("w7a8_matmul", w7a8_matmul, "CPU")
+def python_body() -> torch.library.Library:
+    """Register w7a8_matmul as the operator's CPU body; the Library it returns holds the registration."""
+    body = torch.library.Library("minilade", "IMPL")
+    body.impl("w7a8_matmul", w7a8_matmul, "CPU")
+    return body
+
+
+_BODY: torch.library.Library | None = python_body()  # None once the C++ body replaced it
+
+
+def load_native_matmul() -> str | None:
+    """Give minilade::w7a8_matmul its C++ body (NATIVE_SOURCE) in place of the Python one: the same fbgemm call, so
+    the same bits, without a Python call in each of a compiled step's matmuls (1.2 ms of a 9.6 ms compiled one-row
+    step of the demo model, docs/benchmarks.md). Built once a machine by torch.utils.cpp_extension, which keeps the
+    build in its own folder (rebuilt when the source changes; a few seconds). Returns None when the C++ body runs,
+    else why the Python body stays."""
+    global _BODY
+    if _BODY is None:
+        return None
+    from torch.utils import cpp_extension
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError:
+        return "no ninja to build the C++ w7a8 operator with"
+    _BODY._destroy()  # before the C++ body registers, or the dispatcher warns of an overridden kernel
+    try:
+        cpp_extension.load(name="minilade_w7a8_matmul", sources=[str(NATIVE_SOURCE)], is_python_module=False,
+                           extra_cflags=["-O2"])
+    except Exception as error:  # a build fails with whatever its compiler or loader raises
+        _BODY = python_body()
+        return f"the C++ w7a8 operator did not build: {one_line(error)[:300]}"
+    _BODY = None
+    for layer in list(_LAYERS.values()):
+        layer._register()
+    return None
 
 
 @torch.library.register_fake("minilade::w7a8_matmul", lib=_LIBRARY)
@@ -145,10 +184,16 @@ class W7A8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def _register(self) -> None:
-        """Be found by w7a8_matmul under the storage of weight_scales (again whenever a copy or a move makes one). A
-        copy with fake tensors (what a saved graph's guards unpickle, compiled.SavedGraphs) has no storage to key."""
-        if not isinstance(self.weight_scales, FakeTensor):
-            _LAYERS[self.weight_scales.data_ptr()] = self
+        """Be found by w7a8_matmul under the storage of weight_scales (again whenever a copy or a move makes one), by
+        its C++ body too where it runs (forgotten there when the layer goes). A copy with fake tensors (what a saved
+        graph's guards unpickle, compiled.SavedGraphs) has no storage to key."""
+        if isinstance(self.weight_scales, FakeTensor):
+            return
+        address = self.weight_scales.data_ptr()
+        _LAYERS[address] = self
+        if _BODY is None:
+            torch.ops.minilade_native.w7a8_register(self.weight_scales, self.packed)
+            weakref.finalize(self, torch.ops.minilade_native.w7a8_forget, address, self.packed).atexit = False
 
     def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle
         super().__setstate__(state)

@@ -150,6 +150,27 @@ def test_the_graph_operator_is_the_layers_kernel_call() -> None:
     assert key not in integer_linear._LAYERS
 
 
+def test_the_graph_operators_cpp_body_gives_the_kernels_bits_and_forgets_a_layer_that_goes() -> None:
+    """integer_linear.load_native_matmul: where ninja and a C++ compiler are at hand, the operator's C++ body replaces
+    the Python one (in this process from then on): the bits of the layer's own kernel call, for a copy with a moved
+    scales buffer too, and a layer that goes is forgotten (its scales no longer find a weight)."""
+    missing = integer_linear.load_native_matmul()
+    if missing and missing.startswith("no ninja"):
+        pytest.skip(missing)
+    assert missing is None and integer_linear._BODY is None
+    layer, x = W7A8Linear(hostile_weight()), hostile_rows(5)
+    scale = x.abs().amax(-1, keepdim=True).clamp_min_(TINY).div_(ACTIVATION_LEVELS)
+    codes = x.div(scale).round_()
+    assert torch.equal(torch.ops.minilade.w7a8_matmul(codes, layer.weight_scales).mul_(scale), layer(x))
+    copied = copy.deepcopy(layer).to(torch.float64)
+    assert torch.equal(torch.ops.minilade.w7a8_matmul(codes, copied.weight_scales).mul_(scale), layer(x))
+    scales = layer.weight_scales  # held, so that no other tensor takes its address
+    del layer
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no w7a8 layer has these weight scales"):
+        torch.ops.minilade.w7a8_matmul(codes, scales)
+
+
 def test_missing_kernel_is_a_one_line_value_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(quant, "w7a8_missing", lambda: "no fbgemm here")
     with pytest.raises(ValueError, match=r"^w7a8 cannot run here: no fbgemm here; choose int8 or int4$"):
