@@ -30,6 +30,10 @@ not a tensor: it is not in the module's state_dict.
 
 from __future__ import annotations
 
+import os
+import re
+import sys
+import time
 import warnings
 import weakref
 from collections import deque
@@ -112,6 +116,7 @@ _LAYERS: weakref.WeakValueDictionary[int, W7A8Linear] = weakref.WeakValueDiction
 _LIBRARY = torch.library.Library("minilade", "DEF")
 _LIBRARY.define("w7a8_matmul(Tensor codes, Tensor weight_scales) -> Tensor")
 NATIVE_SOURCE = Path(__file__).parent / "csrc" / "w7a8_matmul.cpp"
+STALE_BUILD_LOCK_S = 600  # a build of it takes seconds: a lock this old was left by a killed one
 
 
 def w7a8_matmul(codes: torch.Tensor, weight_scales: torch.Tensor) -> torch.Tensor:
@@ -134,9 +139,9 @@ _BODY: torch.library.Library | None = python_body()  # None once the C++ body re
 def load_native_matmul() -> str | None:
     """Give minilade::w7a8_matmul its C++ body (NATIVE_SOURCE) in place of the Python one: the same fbgemm call, so
     the same bits, without a Python call in each of a compiled step's matmuls (1.2 ms of a 9.6 ms compiled one-row
-    step of the demo model, docs/benchmarks.md). Built once a machine by torch.utils.cpp_extension, which keeps the
-    build in its own folder (rebuilt when the source changes; a few seconds). Returns None when the C++ body runs,
-    else why the Python body stays."""
+    step of the demo model, docs/benchmarks.md). Built once a machine and torch version by torch.utils.cpp_extension,
+    in its folder (rebuilt when the source changes; a few seconds). Returns None when the C++ body runs, else why
+    the Python body stays."""
     global _BODY
     if _BODY is None:
         return None
@@ -145,10 +150,18 @@ def load_native_matmul() -> str | None:
         cpp_extension.verify_ninja_availability()
     except RuntimeError:
         return "no ninja to build the C++ w7a8 operator with"
+    # A build serves one torch and one Python (their ABIs), in a folder of its own under torch's extensions folder.
+    name = re.sub(r"\W", "_", f"minilade_w7a8_matmul_torch_{torch.__version__}_py{sys.version_info[0]}"
+                                f"{sys.version_info[1]}")
+    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
+    lock = folder / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:  # left by a killed build,
+        lock.unlink(missing_ok=True)  # which cpp_extension would wait for forever
     _BODY._destroy()  # before the C++ body registers, or the dispatcher warns of an overridden kernel
     try:
-        cpp_extension.load(name="minilade_w7a8_matmul", sources=[str(NATIVE_SOURCE)], is_python_module=False,
-                           extra_cflags=["-O2"])
+        folder.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name=name, sources=[str(NATIVE_SOURCE)], build_directory=str(folder),
+                           is_python_module=False, extra_cflags=["-O2"])
     except Exception as error:  # a build fails with whatever its compiler or loader raises
         _BODY = python_body()
         return f"the C++ w7a8 operator did not build: {one_line(error)[:300]}"

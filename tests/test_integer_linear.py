@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import copy
 import gc
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,6 +172,36 @@ def test_the_graph_operators_cpp_body_gives_the_kernels_bits_and_forgets_a_layer
     gc.collect()
     with pytest.raises(RuntimeError, match="no w7a8 layer has these weight scales"):
         torch.ops.minilade.w7a8_matmul(codes, scales)
+
+
+FAILED_BUILD = """
+import torch
+from torch.utils import cpp_extension
+from minilade import integer_linear
+from tests.test_integer_linear import hostile_rows, hostile_weight
+
+def failing_build(**kwargs):
+    raise RuntimeError("Error building extension: a test's")
+
+cpp_extension.load = failing_build
+print(integer_linear.load_native_matmul())
+layer, x = integer_linear.W7A8Linear(hostile_weight()), hostile_rows(5)
+scale = x.abs().amax(-1, keepdim=True).clamp_min_(integer_linear.TINY).div_(integer_linear.ACTIVATION_LEVELS)
+got = torch.ops.minilade.w7a8_matmul(x.div(scale).round_(), layer.weight_scales).mul_(scale)
+print("same bits:", torch.equal(got, layer(x)))
+"""
+
+
+def test_a_cpp_body_that_does_not_build_leaves_the_python_body_in_place() -> None:
+    """load_native_matmul in a fresh process whose build fails: it says why in one line, and the operator keeps
+    its Python body, which still gives the layer's bits."""
+    done = subprocess.run([sys.executable, "-c", FAILED_BUILD], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = done.stdout.strip().splitlines()[-2:]
+    assert first in ("the C++ w7a8 operator did not build: Error building extension: a test's",
+                     "no ninja to build the C++ w7a8 operator with")
+    assert second == "same bits: True"
 
 
 def test_missing_kernel_is_a_one_line_value_error(monkeypatch: pytest.MonkeyPatch) -> None:
