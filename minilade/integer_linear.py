@@ -136,6 +136,15 @@ def python_body() -> torch.library.Library:
 _BODY: torch.library.Library | None = python_body()  # None once the C++ body replaced it
 
 
+def native_build_folder() -> Path:
+    """Where the C++ operator is built: a folder per torch and Python version (a build is one torch's ABI, and
+    torch.utils.cpp_extension keys its builds on the source only), under torch's extensions folder."""
+    from torch.utils import cpp_extension
+    name = re.sub(r"\W", "_", f"minilade_w7a8_matmul_torch_{torch.__version__}_py{sys.version_info[0]}"
+                                f"{sys.version_info[1]}")
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
+
+
 def load_native_matmul() -> str | None:
     """Give minilade::w7a8_matmul its C++ body (NATIVE_SOURCE) in place of the Python one: the same fbgemm call, so
     the same bits, without a Python call in each of a compiled step's matmuls (1.2 ms of a 9.6 ms compiled one-row
@@ -150,17 +159,14 @@ def load_native_matmul() -> str | None:
         cpp_extension.verify_ninja_availability()
     except RuntimeError:
         return "no ninja to build the C++ w7a8 operator with"
-    # A build serves one torch and one Python (their ABIs), in a folder of its own under torch's extensions folder.
-    name = re.sub(r"\W", "_", f"minilade_w7a8_matmul_torch_{torch.__version__}_py{sys.version_info[0]}"
-                                f"{sys.version_info[1]}")
-    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
-    lock = folder / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:  # left by a killed build,
-        lock.unlink(missing_ok=True)  # which cpp_extension would wait for forever
+    folder = native_build_folder()
     _BODY._destroy()  # before the C++ body registers, or the dispatcher warns of an overridden kernel
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name=name, sources=[str(NATIVE_SOURCE)], build_directory=str(folder),
+        lock = folder / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:  # left by a killed build,
+            lock.unlink(missing_ok=True)  # which cpp_extension would wait for forever
+        cpp_extension.load(name=folder.name, sources=[str(NATIVE_SOURCE)], build_directory=str(folder),
                            is_python_module=False, extra_cflags=["-O2"])
     except Exception as error:  # a build fails with whatever its compiler or loader raises
         _BODY = python_body()

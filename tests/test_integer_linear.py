@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -202,6 +204,31 @@ def test_a_cpp_body_that_does_not_build_leaves_the_python_body_in_place() -> Non
     assert first in ("the C++ w7a8 operator did not build: Error building extension: a test's",
                      "no ninja to build the C++ w7a8 operator with")
     assert second == "same bits: True"
+
+
+STALE_LOCK = """
+import os, sys
+from minilade import integer_linear
+lock = integer_linear.native_build_folder() / "lock"
+lock.parent.mkdir(parents=True)
+lock.touch()
+old = os.path.getmtime(lock) - integer_linear.STALE_BUILD_LOCK_S - 1
+os.utime(lock, (old, old))
+print(integer_linear.load_native_matmul(), lock.exists())
+"""
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared_not_waited_for(tmp_path) -> None:
+    """torch.utils.cpp_extension waits forever for a build folder's lock; one older than any build of the C++
+    operator was left by a killed build, and load_native_matmul clears it and builds (in a fresh extensions folder,
+    in a fresh process)."""
+    if shutil.which("ninja") is None:
+        pytest.skip("no ninja to build the C++ w7a8 operator with")
+    done = subprocess.run([sys.executable, "-c", STALE_LOCK], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1],
+                          env=dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["None", "False"]
 
 
 def test_missing_kernel_is_a_one_line_value_error(monkeypatch: pytest.MonkeyPatch) -> None:
