@@ -18,7 +18,7 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.distributed as dist
 
-from .compiled import GRAPHS_FOLDER, CompiledSteps, SavedGraphs, compile_steps
+from .compiled import GRAPHS_FOLDER, CompiledSteps, compile_steps
 from .decoding.step_costs import cost_key, measure_step_costs
 from .device import check_invariance
 from .invariance import RowTiledLinear
@@ -91,9 +91,7 @@ def compile_kinds_at_once(model: Transformer) -> None:
     if not (isinstance(runner, CompiledSteps) and runner.graphs is not None and sys.platform == "linux"
             and (os.cpu_count() or 1) > 1):
         return
-    if runner.run_layers is None:
-        runner.run_layers = SavedGraphs(runner.graphs, cost_key(model))
-    graphs, device = runner.run_layers, model.device
+    graphs, device = runner.layers_runner(model), model.device
     with torch.inference_mode(False):  # a cache as generation makes one
         cache = model.new_cache(64)
     cache.commit(5)  # as if after a prompt of 5 tokens

@@ -219,12 +219,17 @@ class CompiledSteps:
 
     def step(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
              mask: torch.Tensor | None, logits_rows: torch.Tensor | None) -> torch.Tensor:
-        if self.run_layers is None:  # made at the first step: the key names this runner, installed after __init__
-            self.run_layers = SavedGraphs(self.graphs, cost_key(model))
-        x = self.run_layers(*self.layers_inputs(model, tokens, input_pos, cache, mask))
+        x = self.layers_runner(model)(*self.layers_inputs(model, tokens, input_pos, cache, mask))
         if logits_rows is not None:
             x = x[:, logits_rows]
         return model.output(model.norm(x))
+
+    def layers_runner(self, model: Transformer) -> Callable[..., torch.Tensor]:
+        """What runs layers_step: the SavedGraphs of this model where a folder keeps its graphs, made when first
+        asked for (its key names this runner, which is installed after __init__)."""
+        if self.run_layers is None:
+            self.run_layers = SavedGraphs(self.graphs, cost_key(model))
+        return self.run_layers
 
     def layers_inputs(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
                       mask: torch.Tensor | None) -> tuple:
