@@ -48,6 +48,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="as the CLI's: auto takes int4 or w7a8 from a GGUF file's 4-bit codes "
                                                              "when --dtype is auto, whichever measures faster")
     p.add_argument("--group-size", type=int, default=32)
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="as the CLI's: decoding steps as compiled graphs where they pass the exactness check and "
+                        "measure faster here (auto), wherever they pass it (on), or never (off); answers are the "
+                        "CLI's with the same setting")
     p.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes; larger get 413")
     p.add_argument("--prompt-cache-mb", type=int, default=512,
                    help="memory for finished requests' K/V, reused by prompts that begin with them (0: off; 512)")
@@ -80,13 +84,14 @@ def model_id(args: argparse.Namespace) -> str:
 
 
 def loader(args: argparse.Namespace):
-    """What the server loads in the background: the model as the CLI loads it (exact by default, its checks kept
-    per machine) but with eager steps (its batched passes are not compiled), and auto's step costs, measured once
-    here instead of inside a request."""
+    """What the server loads in the background: the model as the CLI loads it (exact by default, compiled steps
+    where the CLI would run them, its checks and graphs kept per machine), and auto's step costs, measured once here
+    instead of inside a request."""
     def load() -> Served:
         tables = kept_tables_dir()
         llm = LLM.load(args.ckpt, dtype=args.dtype, device=args.device, group_size=args.group_size, progress=False,
-                       quantize=None if args.quantize == "none" else args.quantize, compile=False)
+                       quantize=None if args.quantize == "none" else args.quantize,
+                       compile={"on": True, "off": False}.get(args.compile, "auto"))
         costs = step_costs_for(llm.model, COST_SIZES, tables / "step_costs.json")
         return Served(llm, model_id(args), args.strategy, costs)
     return load

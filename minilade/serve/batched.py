@@ -14,6 +14,11 @@ A row's result depends only on its own call: the norms, rotary, SiLU and residua
 matmuls of an exact model are row-count invariant (invariance.RowTiledLinear); attention runs per call, on the very
 tensors the call alone would give it, or stacked with others in a way that gives it the same bits (stacked.py). So
 each call gets bitwise the logits the model gives it alone.
+
+Where the model's decoding steps are compiled (compiled.py), they round otherwise than eager ones, and a call gets
+what the model gives it alone only by running as the model runs it alone (`runs_compiled`): a decoding step through
+the compiled step, a prompt's prefill (and each of its parts, prefill.py) through the eager layers. The compiled
+calls of a pass then run one after another, each its own compiled step; the eager ones share a pass as above.
 """
 
 from __future__ import annotations
@@ -41,6 +46,13 @@ class ForwardCall:
     cache: KVCache
     mask: torch.Tensor | None = None
     logits_rows: torch.Tensor | None = None
+    prefill_part: bool = False  # a part of a prompt's prefill (prefill.prefill_calls): eager, as the whole prefill
+
+
+def runs_compiled(model: Transformer, call: ForwardCall) -> bool:
+    """Whether the model alone runs this call through its compiled step: a step over a cache holding rows, where the
+    model has compiled steps, except a part of a prefill (the model alone runs the whole prompt eagerly)."""
+    return model.step_runner is not None and call.cache.length > 0 and not call.prefill_part
 
 
 @dataclass
@@ -60,7 +72,8 @@ class PreparedCall:
 
 def prepare_call(model: Transformer, call: ForwardCall) -> PreparedCall:
     """Check a call as Transformer.forward does (room in its cache, positions inside the rotary tables, mask
-    shape: a ValueError for this call alone) and make what every layer needs of it."""
+    shape: a ValueError for this call alone) and make what every eager layer needs of it (a compiled call's step
+    makes its own)."""
     B, T = call.tokens.shape
     if B != 1:
         raise ValueError(f"a shared forward pass takes one sequence per call, got tokens of shape "
@@ -71,19 +84,36 @@ def prepare_call(model: Transformer, call: ForwardCall) -> PreparedCall:
     cos, sin = model.rotary(input_pos)  # (1, T, 1, D)
     past = call.cache.length
     visible, reach = model.step_masks(call.mask, past, T, input_pos)
-    step = model.attention_kernel.prepare(visible, reach, past, model.dtype)
+    step = None if runs_compiled(model, call) else model.attention_kernel.prepare(visible, reach, past, model.dtype)
     rows = call.logits_rows if call.logits_rows is not None else torch.arange(T, device=model.device)
     return PreparedCall(call, cos, sin, step, rows.to(model.device))
 
 
 def batched_forward(model: Transformer, calls: list[PreparedCall]) -> list[torch.Tensor]:
-    """Logits of each call, (1, R_i, V) in the model dtype, computed in one pass over all their rows.
+    """Logits of each call, (1, R_i, V) in the model dtype: the eager calls computed in one pass over all their
+    rows (eager_forward), each compiled one by the model's compiled step (runs_compiled).
 
     Each call's K/V are written into its own cache at [length, length + T_i); no cache length changes (the
-    call's decoder commits or compacts afterwards, as after Transformer.forward). A call alone in the pass runs
-    through Transformer.forward itself (compiled steps included, when the model has them).
+    call's decoder commits or compacts afterwards, as after Transformer.forward).
     """
-    if len(calls) == 1:
+    logits: list[torch.Tensor | None] = [None] * len(calls)
+    eager = []
+    for i, p in enumerate(calls):
+        if runs_compiled(model, p.call):
+            call = p.call
+            logits[i] = model(call.tokens, call.input_pos, call.cache, call.mask, call.logits_rows)
+        else:
+            eager.append(i)
+    if eager:
+        for i, result in zip(eager, eager_forward(model, [calls[i] for i in eager])):
+            logits[i] = result
+    return logits
+
+
+def eager_forward(model: Transformer, calls: list[PreparedCall]) -> list[torch.Tensor]:
+    """Logits of each call, (1, R_i, V), in one pass of the eager layers over all their rows (never the model's
+    compiled step). A call alone in the pass runs through Transformer.forward itself where that is eager."""
+    if len(calls) == 1 and (model.step_runner is None or not calls[0].call.cache.length):
         call = calls[0].call
         return [model(call.tokens, call.input_pos, call.cache, call.mask, call.logits_rows)]
     sizes = [p.T for p in calls]

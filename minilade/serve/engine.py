@@ -5,7 +5,8 @@ strings, streaming text) in a worker thread of its own, against a `ModelProxy` i
 not compute: a decoder's forward call is handed to the engine and the worker blocks until its logits come back. The
 engine waits until every running request is blocked in a forward call (or has finished), then has one pass run over
 all their rows (batched.batched_forward) and each call answered with its logits. The decoders are unchanged, and
-each sees exactly the logits it would get alone, so each answer is the one it gets alone. A prompt's prefill starts
+each sees exactly the logits it would get alone, so each answer is the one it gets alone (where the model's steps
+are compiled, each decoding call runs its own compiled step within the pass, as alone). A prompt's prefill starts
 from the rows kept for a prefix it shares with a finished request and runs in chunks (prefill.py).
 
 The pass runs in the thread of the worker that called last, not in the engine's: torch gives every thread that
@@ -36,7 +37,7 @@ from ..drafts.history import DraftHistory
 from ..kv_cache import KVCache
 from ..llm import LLM, TextStream
 from ..model import Transformer
-from .batched import ForwardCall, PreparedCall, batched_forward, prepare_call
+from .batched import ForwardCall, PreparedCall, batched_forward, prepare_call, runs_compiled
 from .errors import busy, unavailable
 from .metrics import Metrics
 from .planner import PassMember, PassPlans
@@ -130,7 +131,10 @@ class Engine:
         history: earlier answers that greedy auto generations draft from, and add theirs to (None: none shared).
         prefill_chunk: prompt rows a new request feeds each pass while others run (they wait at most that pass)."""
         self.llm, self.max_concurrent, self.queue_size, self.prefixes = llm, max_concurrent, queue_size, prefixes
-        self.plan_together, self.history, self.plans = plan_together, history, PassPlans()
+        # Compiled decoding calls run one after another, each its own step (batched.py): a generation's step then
+        # costs what it costs alone, and it plans as alone.
+        self.plan_together = plan_together and llm.model.step_runner is None
+        self.history, self.plans = history, PassPlans()
         self.prefill_chunk = prefill_chunk
         self.split_prefills = splits_exactly(llm.model)  # from kept rows and in chunks (prefill.py)
         self.metrics = metrics or Metrics()
@@ -313,7 +317,13 @@ class Engine:
             except Exception:  # noqa: BLE001 -- never let one call's fault reach the others: run each alone
                 log.exception("a shared pass failed; running its calls one by one")
                 logits = [self._alone(model, prepared, call) for call, prepared in ready]
-        self.metrics.forward_pass(len(ready), sum(prepared.T for _, prepared in ready))
+        # The passes that ran: one per compiled call (each its own step), one for all the eager calls.
+        eager = [prepared.T for _, prepared in ready if not runs_compiled(model, prepared.call)]
+        for _, prepared in ready:
+            if runs_compiled(model, prepared.call):
+                self.metrics.forward_pass(1, prepared.T)
+        if eager:
+            self.metrics.forward_pass(len(eager), sum(eager))
         for (call, _), result in zip(ready, logits):
             if result is not None:
                 call.answer(result)

@@ -135,7 +135,8 @@ def prefill_calls(call: ForwardCall, hit: Hit | None, chunk: int | Callable[[], 
         while a < T:
             b = chunk_end(a, T, int(rows.min()), chunk() if callable(chunk) else chunk)
             cache.length = a
-            yield ForwardCall(call.tokens[:, a:b], positions[a:b], cache, None, rows - a if b == T else rows[:0])
+            yield ForwardCall(call.tokens[:, a:b], positions[a:b], cache, None, rows - a if b == T else rows[:0],
+                              prefill_part=True)
             a = b
     return start, calls()
 

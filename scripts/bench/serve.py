@@ -7,10 +7,9 @@ level (their order rotating), so that slow and fast spells of a shared machine f
 - batched-plain: every request's generation shares each forward pass, plain decoding (strategy autoregressive);
 - batched-auto: the same with auto, greedy requests sizing their drafts for the whole pass (the default);
 - batched-auto-alone: auto with --plan alone, each request sizing its drafts as if it ran alone.
-At one client, `library` is the same prompts through LLM.generate with auto in this process, with the server's
-eager steps (what the CLI does with --compile off: the answers every mode must equal), and `library compiled` the
-same with compiled steps where they are chosen (the CLI's default; its answers may differ from eager ones, which
-round differently, so only its speed compares).
+At one client, `library` is the same prompts through LLM.generate with auto in this process, loaded as the servers
+load the model (--compile as theirs: compiled steps where they are chosen by default, as the CLI's): the answers
+every mode must equal.
 Where `llama-server` is on PATH (llama.cpp's, e.g. built from the source vendored in llama-cpp-python), it serves
 the same GGUF file with the same threads and one slot per client beside them (mode llama-server).
 Each client streams its prompts one after another (chat prompts from MT-Bench or GSM8K, code from HumanEval,
@@ -65,6 +64,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ckpt", default=None, help="checkpoint (default: the demo model)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantize", default="auto", help="as the server's --quantize")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="as the server's --compile")
     p.add_argument("--no-library", action="store_true", help="skip the library's auto at one client")
     p.add_argument("--chat-turns", type=int, default=5,
                    help="then one conversation of this many turns (MT-Bench questions, one per turn) with and without "
@@ -108,7 +108,8 @@ class Server:
     def of_minilade(cls, args: argparse.Namespace, strategy: str, max_concurrent: int, *extra: str) -> Server:
         return cls(lambda port: [sys.executable, "-m", "minilade.serve", "--port", str(port), "--strategy", strategy,
                                  "--max-concurrent", str(max_concurrent), "--queue", "64", "--dtype", args.dtype,
-                                 "--quantize", args.quantize, *extra] + (["--ckpt", args.ckpt] if args.ckpt else []))
+                                 "--quantize", args.quantize, "--compile", args.compile, *extra]
+                    + (["--ckpt", args.ckpt] if args.ckpt else []))
 
     @classmethod
     def of_llama_cpp(cls, gguf: Path, slots: int, threads: int) -> Server:
@@ -240,13 +241,12 @@ def summarise(answers: list[dict], seconds: float, before: dict, after: dict) ->
             "drafts": {k: v for k, v in sorted(drafts.items()) if v}}
 
 
-def library_run(args: argparse.Namespace, chat: bool, compile: str | bool
-                ) -> Callable[[list[str]], tuple[list[dict], float]]:
-    """Runs prompts one after another through LLM.generate with auto in this process, as the CLI runs them, its
-    steps compiled as `compile` says (LLM.load's argument)."""
+def library_run(args: argparse.Namespace, chat: bool) -> Callable[[list[str]], tuple[list[dict], float]]:
+    """Runs prompts one after another through LLM.generate with auto in this process, as the CLI runs them (the
+    model loaded as the servers load it)."""
     from minilade import LLM
     llm = LLM.load(args.ckpt, dtype=args.dtype, quantize=None if args.quantize == "none" else args.quantize,
-                   progress=False, compile=compile)
+                   progress=False, compile={"on": True, "off": False}.get(args.compile, "auto"))
 
     def run(prompts: list[str]) -> tuple[list[dict], float]:
         llm.generate(prompts[0], chat=chat, max_new_tokens=8, strategy="auto", temperature=0)  # warm-up
@@ -279,8 +279,7 @@ def main_job(argv: list[str]) -> int:
             servers[LLAMA_SERVER] = peer
             peer.wait_ready()
             one_request(peer.url, prompts[-1], chat, 16)
-        libraries = {} if args.no_library else {"library": library_run(args, chat, compile=False),
-                                                  "library compiled": library_run(args, chat, compile="auto")}
+        libraries = {} if args.no_library else {"library": library_run(args, chat)}
         offset = 0
         for level, clients in enumerate(args.clients):
             share = prompts[offset:offset + clients * args.prompts_per_client]

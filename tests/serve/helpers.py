@@ -51,12 +51,14 @@ def free_port() -> int:
 
 
 def start_server(ckpt: Path, *args: str) -> ServerProcess:
-    """The server started on 127.0.0.1 and answering /health with 200."""
+    """The server started on 127.0.0.1 and answering /health with 200: float32 eager steps unless args say otherwise
+    (a later option overrides an earlier one)."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="minilade-serve-", suffix=".log")[1])
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, "-m", "minilade.serve", "--ckpt", str(ckpt), "--port", str(port),
-                                    "--dtype", "float32", *args], stdout=out, stderr=subprocess.STDOUT)
+                                    "--dtype", "float32", "--compile", "off", *args],
+                                   stdout=out, stderr=subprocess.STDOUT)
     server = ServerProcess(f"http://127.0.0.1:{port}", process, log)
     deadline = time.monotonic() + START_S
     while time.monotonic() < deadline:

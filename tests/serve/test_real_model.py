@@ -1,4 +1,5 @@
-"""On the real demo model: answers served together are those LLM.generate gives alone, greedy and seeded."""
+"""On the real demo model: answers served together are those LLM.generate gives alone, greedy and seeded, with eager
+steps (float32) and with the default configuration's compiled steps."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from minilade.decoding.step_costs import step_costs_for
 
 from .helpers import start_server
 
-pytestmark = pytest.mark.real_model
+# The compiled graphs are those tests/test_real_compiled.py compiles and keeps: the same worker runs both.
+pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("real-compiled")]
 
 CASES = [  # (prompt, request fields)
     ("Explain in two sentences why the sky is blue.", {"temperature": 0}),
@@ -24,8 +26,12 @@ CASES = [  # (prompt, request fields)
 ]
 
 
-def test_concurrent_chats_equal_alone(smollm2_gguf, kept_tables):
-    server = start_server(smollm2_gguf)
+@pytest.mark.parametrize("server_args, load", [
+    ((), {"dtype": "float32", "compile": False}),
+    (("--dtype", "auto", "--compile", "on"), {"compile": True}),  # the default file's codes, compiled steps
+], ids=["eager", "compiled"])
+def test_concurrent_chats_equal_alone(smollm2_gguf, kept_tables, server_args, load):
+    server = start_server(smollm2_gguf, *server_args)
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
         model = client.models.list().data[0].id
@@ -42,7 +48,7 @@ def test_concurrent_chats_equal_alone(smollm2_gguf, kept_tables):
             answers = list(pool.map(ask, CASES))
     finally:
         assert server.stop() == 0
-    llm = LLM.load(smollm2_gguf, dtype="float32", progress=False, compile=False)
+    llm = LLM.load(smollm2_gguf, progress=False, **load)
     costs = step_costs_for(llm.model, COST_SIZES, kept_tables / "step_costs.json")  # those the server measured
     for (prompt, fields), answer in zip(CASES, answers):
         fields = dict(fields)

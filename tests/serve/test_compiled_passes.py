@@ -1,0 +1,93 @@
+"""A server over a model whose decoding steps are compiled: each call runs as the model runs it alone (a decoding
+step through the compiled step, a prompt's prefill and its parts through the eager layers), so each answer is the
+one LLM.generate gives with the same compiled model."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+import torch
+
+from minilade import LLM
+from minilade.decoding import GenerationSettings, make_strategy
+from minilade.sampling import SamplingParams
+from minilade.serve.batched import ForwardCall, batched_forward, prepare_call, runs_compiled
+from minilade.serve.engine import Engine, Job
+from minilade.serve.prefill import PrefixCache
+from tests.helpers import FLAT_COSTS
+
+from .test_engine import outcome
+
+# Compiled graphs live in the process that made them: one worker compiles this model's, once.
+pytestmark = pytest.mark.xdist_group("compiled")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt, kept_tables) -> LLM:
+    llm = LLM.load(tiny_ckpt, dtype="float32", progress=False, compile=True)
+    assert llm.model.step_runner is not None, llm.setup
+    return llm
+
+
+def test_a_pass_gives_each_call_the_logits_of_the_model_alone(llm):
+    """A decoding call through the compiled step and a prefill's later part through the eager layers, in one pass:
+    each bitwise what the model alone gives it (and the two ways of running a step do differ here, so the routing
+    is what the equality checks)."""
+    model = llm.model
+    with torch.inference_mode():
+        decoding, prefill = model.new_cache(64), model.new_cache(64)
+        model(torch.arange(3, 12)[None], torch.arange(9), decoding)
+        decoding.commit(9)
+        model(torch.arange(20, 26)[None], torch.arange(6), prefill)
+        prefill.length = 6  # the first part of a prompt read; the next part follows at rows [6, 10)
+        calls = [ForwardCall(torch.tensor([[5, 6, 7]]), torch.arange(9, 12), decoding, None),
+                 ForwardCall(torch.arange(26, 30)[None], torch.arange(6, 10), prefill, None, torch.tensor([3]),
+                             prefill_part=True)]
+        assert [runs_compiled(model, call) for call in calls] == [True, False]
+        together = batched_forward(model, [prepare_call(model, call) for call in calls])
+        compiled_alone = model(calls[0].tokens, calls[0].input_pos, decoding)
+        runner, model.step_runner = model.step_runner, None
+        try:
+            eager = [model(call.tokens, call.input_pos, call.cache, None, call.logits_rows) for call in calls]
+        finally:
+            model.step_runner = runner
+    assert torch.equal(together[0], compiled_alone) and torch.equal(together[1], eager[1])
+    assert not torch.equal(compiled_alone, eager[0])
+
+
+def test_concurrent_answers_equal_alone_through_compiled_steps(llm):
+    """Greedy auto, lookahead and plain decoding and a seeded sampled request, served together with a long prompt
+    read in parts from a kept prefix: every answer is LLM.generate's through the same compiled steps."""
+    engine = Engine(llm, max_concurrent=4, prefixes=PrefixCache(1 << 24), prefill_chunk=8)
+    engine.start()
+    prompt = [(7 * i) % 40 + 3 for i in range(40)]
+    cases = [(prompt, "auto", SamplingParams()), ([5, 6, 7, 8] * 3, "lookahead", SamplingParams()),
+             ([9, 10, 11], "autoregressive", SamplingParams()),
+             ([12, 13, 14, 15], "auto", SamplingParams(temperature=0.9, top_p=0.9, seed=3))]
+    try:
+        first, first_events = make_job(prompt[:30], GenerationSettings(make_strategy("auto", costs=FLAT_COSTS),
+                                                                       max_new_tokens=8))
+        engine.submit(first)
+        assert outcome(first_events)[0] == "done"  # its rows kept: the long prompt begins with them
+        events = []
+        for ids, strategy, sampling in cases:
+            settings = GenerationSettings(make_strategy(strategy, costs=FLAT_COSTS), sampling, max_new_tokens=24)
+            job, queue = make_job(ids, settings)
+            engine.submit(job)
+            events.append((job, queue, settings))
+        got = [(job, outcome(queue)) for job, queue, _ in events]
+    finally:
+        engine.stop()
+    assert any(job.cached_tokens for job, _ in got), "no prompt began from kept rows"
+    for (ids, _, _), (_, _, settings), (_, (kind, generation)) in zip(cases, events, got):
+        assert kind == "done"
+        sampling = settings.sampling
+        alone = llm.generate(ids, max_new_tokens=24, strategy=settings.strategy, temperature=sampling.temperature,
+                             top_p=sampling.top_p, seed=sampling.seed)
+        assert generation.token_ids == alone.token_ids, (ids, settings.strategy)
+
+
+def make_job(ids: list[int], settings: GenerationSettings) -> tuple[Job, queue.Queue]:
+    events: queue.Queue = queue.Queue()
+    return Job(ids, settings, lambda kind, value: events.put((kind, value))), events
