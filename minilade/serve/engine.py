@@ -9,21 +9,22 @@ each sees exactly the logits it would get alone, so each answer is the one it ge
 are compiled, each decoding call runs its own compiled step within the pass, as alone). A prompt's prefill starts
 from the rows kept for a prefix it shares with a finished request and runs in chunks (prefill.py).
 
-The pass runs in the thread of the worker that called last, not in the engine's: torch gives every thread that
-opens a parallel region a pool of CPU threads of its own, and a worker's host work (verification, drafts, cache
-commits) and the pass then share one pool instead of two pools contending for the same cores (at one client, the
-pass in the engine's thread ran at 0.84x the library's speed, in the worker's at 1.0x: docs/serve.md).
+Every pass runs in the engine's thread, on torch's CPU threads, and a worker computes on its own thread alone
+(torch.set_num_threads(1) there): each thread that opens a parallel region gets an OpenMP pool of its own, and a
+second pool slows every parallel operation (libgomp shortens its idle threads' spin-wait when they outnumber the
+cores, so each operation waits for its threads to wake). Measured on 2 cores, a one-row step of the demo model:
+compiled, 8.5 ms in the thread that loaded the model and 23 ms in a second thread; eager, 10.5 and 18 ms; with
+everything in one thread, loading included, 10 ms whichever thread that is.
 
     HTTP (asyncio) --submit--> waiting (bounded) --admit--> running (<= max_concurrent worker threads)
                                                                | forward call, blocks
-    engine thread: wait for every running worker's call -> the last caller runs one batched pass -> logits to each
+    engine thread: wait for every running worker's call -> one batched pass -> logits to each
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -64,14 +65,12 @@ class Job:
 
 @dataclass(eq=False)
 class PendingCall:
-    """A worker's forward call waiting for the engine: answered with its logits or an error, or handed the whole
-    pass to run in the worker's own thread (`runs`), which answers every call of the pass, this one included."""
+    """A worker's forward call waiting for the engine: answered with its logits or an error."""
 
     forward: ForwardCall
     done: threading.Event = field(default_factory=threading.Event)
     logits: torch.Tensor | None = None
     error: BaseException | None = None
-    runs: Callable[[], None] | None = None
 
     def answer(self, logits: torch.Tensor | None = None, error: BaseException | None = None) -> None:
         self.logits, self.error = logits, error
@@ -145,7 +144,7 @@ class Engine:
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Slot] = []
         self._stopping = False
-        self._latest: PendingCall | None = None  # the call made last, whose worker runs the next pass
+        self.threads = torch.get_num_threads()  # the passes' CPU threads (the engine thread's own)
         self._thread = threading.Thread(target=self._loop, name="minilade-engine", daemon=True)
 
     def start(self) -> None:
@@ -198,13 +197,9 @@ class Engine:
         with self._cond:
             if slot.job.cancelled:
                 raise Cancelled()
-            slot.call = self._latest = pending
+            slot.call = pending
             self._cond.notify_all()
         pending.done.wait()
-        if pending.runs is not None:
-            run, pending.runs = pending.runs, None
-            pending.done.clear()
-            run()
         if pending.error is not None:
             raise pending.error
         return pending.logits
@@ -212,6 +207,7 @@ class Engine:
     def _work(self, slot: Slot) -> None:
         """A worker thread: the request's whole generation, its text handed out as it streams."""
         job = slot.job
+        torch.set_num_threads(1)  # this thread's own torch work; the passes have the CPU threads (module docstring)
         try:
             if self.prefixes is not None and self.split_prefills:
                 slot.hit = self.prefixes.find(job.prompt_ids)
@@ -251,6 +247,7 @@ class Engine:
     # ---- engine side ------------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        torch.set_num_threads(self.threads)  # this thread's, whatever the workers set for theirs
         while True:
             with self._cond:
                 self._cond.wait_for(self._ready)
@@ -263,9 +260,7 @@ class Engine:
                 calls = [slot.call for slot in slots]
                 for slot in slots:
                     slot.call = None
-                runner = self._latest if self._latest in calls else calls[-1]
-            runner.runs = functools.partial(self._run_pass, slots, calls)
-            runner.done.set()
+            self._run_pass(slots, calls)
 
     def _ready(self) -> bool:
         """Something to do: every running worker waits in a forward call, or a queued job can be admitted, or the
@@ -284,8 +279,8 @@ class Engine:
             slot.thread.start()
 
     def _run_pass(self, slots: list[Slot], calls: list[PendingCall]) -> None:
-        """The pass, in the thread of the worker it was handed to. Whatever escapes it reaches every call it leaves
-        unanswered, so that no worker waits forever."""
+        """The pass. Whatever escapes it reaches every call it leaves unanswered, so that no worker waits
+        forever."""
         try:
             self._step(slots, calls)
         except BaseException as error:  # noqa: BLE001
