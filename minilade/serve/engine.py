@@ -10,7 +10,7 @@ are compiled, each decoding call runs its own compiled step within the pass, as 
 from the rows kept for a prefix it shares with a finished request and runs in chunks (prefill.py).
 
 Every pass runs in the engine's thread, on torch's CPU threads, and a worker computes on its own thread alone
-(torch.set_num_threads(1) there): each thread that opens a parallel region gets an OpenMP pool of its own, and a
+(compute_alone): each thread that opens a parallel region gets an OpenMP pool of its own, and a
 second pool slows every parallel operation (libgomp shortens its idle threads' spin-wait when they outnumber the
 cores, so each operation waits for its threads to wake). Measured on 2 cores, a one-row step of the demo model:
 compiled, 8.5 ms in the thread that loaded the model and 23 ms in a second thread; eager, 10.5 and 18 ms; with
@@ -24,10 +24,13 @@ everything in one thread, loading included, 10 ms whichever thread that is.
 from __future__ import annotations
 
 import collections
+import contextlib
+import ctypes
 import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -45,6 +48,18 @@ from .planner import PassMember, PassPlans
 from .prefill import PREFILL_ALONE, PREFILL_CHUNK, Hit, PrefixCache, is_prefill, prefill_calls, splits_exactly
 
 log = logging.getLogger("minilade.serve")
+
+
+def compute_alone() -> None:
+    """Run this thread's torch operations on this thread alone, opening no OpenMP pool (module docstring): its own
+    OpenMP thread count set to 1 (omp_set_num_threads acts on the calling thread), torch.get_num_threads() left as it
+    is everywhere else (torch.set_num_threads would change the count every thread starts with, and compiled graphs
+    guard on it). Nothing is done where torch's OpenMP runtime is not found beside it."""
+    torch.get_num_threads()  # torch sets a thread's count at its first parallel call: first, not after this
+    for runtime in sorted((Path(torch.__file__).parent / "lib").glob("lib*omp*.so*")):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(str(runtime)).omp_set_num_threads(1)
+            return
 
 
 class Cancelled(Exception):
@@ -144,7 +159,6 @@ class Engine:
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Slot] = []
         self._stopping = False
-        self.threads = torch.get_num_threads()  # the passes' CPU threads (the engine thread's own)
         self._thread = threading.Thread(target=self._loop, name="minilade-engine", daemon=True)
 
     def start(self) -> None:
@@ -207,7 +221,7 @@ class Engine:
     def _work(self, slot: Slot) -> None:
         """A worker thread: the request's whole generation, its text handed out as it streams."""
         job = slot.job
-        torch.set_num_threads(1)  # this thread's own torch work; the passes have the CPU threads (module docstring)
+        compute_alone()
         try:
             if self.prefixes is not None and self.split_prefills:
                 slot.hit = self.prefixes.find(job.prompt_ids)
@@ -247,7 +261,6 @@ class Engine:
     # ---- engine side ------------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        torch.set_num_threads(self.threads)  # this thread's, whatever the workers set for theirs
         while True:
             with self._cond:
                 self._cond.wait_for(self._ready)
