@@ -11,13 +11,14 @@ import threading
 
 import httpx
 import pytest
+import torch
 
 from minilade import LLM
 from minilade.cli import console
 from minilade.decoding import GenerationSettings, make_strategy
 from minilade.drafts.history import DraftHistory
 from minilade.sampling import SamplingParams
-from minilade.serve.engine import Engine, Job
+from minilade.serve.engine import Engine, Job, compute_alone
 from minilade.serve.errors import APIError
 from minilade.serve.planner import PassMember, PassPlans
 from tests.helpers import FLAT_COSTS
@@ -195,3 +196,23 @@ def test_a_prompt_is_read_in_chunks_while_others_run_and_whole_alone(llm, chunk,
     engine.stop()
     assert [rows for j, rows in fed if j is alone and rows > 1] == [20]
     assert [rows for j, rows in fed if j is beside and rows > 1] == parts
+
+
+def test_a_worker_computes_on_its_own_thread_alone():
+    """compute_alone: the calling thread's torch operations run on it alone (torch reports 1 thread there), while
+    torch's thread count elsewhere, which compiled graphs guard on, stays as it was."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        worker = threading.Thread(target=lambda: (compute_alone(), seen.append(torch.get_num_threads())))
+        worker.start()
+        worker.join()
+        assert seen == [1] and torch.get_num_threads() == 2
+        later = []
+        other = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        other.start()
+        other.join()
+        assert later == [2]
+    finally:
+        torch.set_num_threads(before)
