@@ -93,24 +93,33 @@ def chunked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.unflatten(2, (G, T)).flatten(1, 2).to(q.dtype)
 
 
-def layer_step(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-               keys: torch.Tensor, values: torch.Tensor, *step_layout: torch.Tensor) -> torch.Tensor:
-    """One layer of a decoding step: x (B, T, dim) -> (B, T, dim), its keys and values written into the cache.
+def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor, *step_layout: torch.Tensor) -> torch.Tensor:
+    """A layer's attention in a step: the rows' keys and values written into the cache, then chunked_attention.
 
-    cos, sin: (B|1, T, 1, D) the rows' rotary tables; slots: (T,) long, the cache slots the rows are written to
+    q: (B, H, T, D); k, v: (B, Hkv, T, D); slots: (T,) long, the cache slots the rows are written to
     (cache.length + arange(T)); keys, values: this layer's buffers of a PaddedKVCache cut to the step's first Sp
     slots (views: the rows are written through them into the cache), (B, Hkv, Sp, D) and (B, Hkv, Sp,
-    value_columns(D)); step_layout: graph_layout's tensors, over those Sp slots. (Cut outside the graph: a slice's
-    length inside it depends on whether Sp reaches the cache's end, which the graph would guard on.)
-    """
-    attention = block.attention
-    B, T, _ = x.shape
-    q, k, v = attention.project(block.attention_norm(x), cos, sin)
+    value_columns(D)); step_layout: graph_layout's tensors, over those Sp slots. Returns (B, H, T, D)."""
     D = k.shape[-1]
     keys.index_copy_(2, slots, k.to(keys.dtype))
     ones = v.new_ones(*v.shape[:-1], 1)
     values.index_copy_(2, slots, F.pad(torch.cat([v, ones], -1), (0, values.shape[-1] - D - 1)).to(values.dtype))
-    y = chunked_attention(q, keys, values, *step_layout)
+    return chunked_attention(q, keys, values, *step_layout)
+
+
+def layer_step(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+               keys: torch.Tensor, values: torch.Tensor, *step_layout: torch.Tensor) -> torch.Tensor:
+    """One layer of a decoding step: x (B, T, dim) -> (B, T, dim), its keys and values written into the cache.
+
+    cos, sin: (B|1, T, 1, D) the rows' rotary tables; the rest as layer_attention takes them. (The cache views are
+    cut outside the graph: a slice's length inside it depends on whether Sp reaches the cache's end, which the graph
+    would guard on.)
+    """
+    attention = block.attention
+    B, T, _ = x.shape
+    q, k, v = attention.project(block.attention_norm(x), cos, sin)
+    y = layer_attention(q, k, v, slots, keys, values, *step_layout)
     x = x + attention.wo(y.transpose(1, 2).reshape(B, T, -1))
     return x + block.feed_forward(block.ffn_norm(x))
 
@@ -132,6 +141,50 @@ def layers_step(layers: torch.nn.ModuleList, x: torch.Tensor, cos: torch.Tensor,
     for i, block in enumerate(layers):
         x = layer_region(block, x, cos, sin, slots, keys[i], values[i], *step_layout)
     return x
+
+
+def pass_layer_step(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    *calls: torch.Tensor) -> torch.Tensor:
+    """One layer of a pass over the steps of several generations, each over its own cache: x (1, sum T_i, dim) ->
+    (1, sum T_i, dim), each call's keys and values written into its own cache.
+
+    The rows of every call go through the layer's norms and weight matmuls together (one read of the weights for
+    all), and each call's rows attend over its own cache with its own layout (layer_attention). calls: CALL_INPUTS
+    tensors per call, in the order of its rows in x: its slots (T_i,), this layer's keys and values views of its
+    cache and its graph_layout, as layer_attention takes them; cos, sin: (1, sum T_i, 1, D). Row by row these are
+    the operations of each call's own step, with the same weight matmuls (row-count invariant), so each call's rows
+    get its step's bits; serve/compiled_pass.py checks that against each call alone before using it. (Each call's
+    attention is traced inline: as one nested subgraph that every call runs, the graph demands that every call's
+    sizes equal the first's.)"""
+    attention = block.attention
+    B, T, _ = x.shape
+    q, k, v = attention.project(block.attention_norm(x), cos, sin)
+    ys, start = [], 0
+    for i in range(0, len(calls), CALL_INPUTS):
+        slots, keys, values, *step_layout = calls[i:i + CALL_INPUTS]
+        rows = slice(start, start + slots.shape[0])
+        ys.append(layer_attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], slots, keys, values, *step_layout))
+        start += slots.shape[0]
+    y = torch.cat(ys, dim=2)
+    x = x + attention.wo(y.transpose(1, 2).reshape(B, T, -1))
+    return x + block.feed_forward(block.ffn_norm(x))
+
+
+CALL_INPUTS = 7  # per call of a pass: slots, keys, values and graph_layout's four tensors
+
+
+def mark_pass_sizes(args: tuple) -> None:
+    """mark_dynamic_sizes for pass_layer_step's arguments: the rows of the pass and of each call, each call's keys and
+    its layout."""
+    _, x, cos, sin, *calls = args
+    marks = [(x, (1,)), (cos, (1,)), (sin, (1,))]
+    for i in range(0, len(calls), CALL_INPUTS):
+        slots, keys, values, *step_layout = calls[i:i + CALL_INPUTS]
+        marks += [(slots, (0,)), (keys, (2,)), (values, (2,)), *((t, range(t.dim())) for t in step_layout)]
+    for tensor, dims in marks:
+        for dim in dims:
+            if tensor.shape[dim] > 1:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 def mark_dynamic_sizes(args: tuple) -> None:
@@ -250,45 +303,53 @@ class CompiledSteps:
 
 
 class SavedGraphs:
-    """layers_step compiled ahead of time (torch.compile's aot_compile) and kept in a folder: a later process loads
-    its graphs (some 5 s in all, most of it importing torch's compiler) instead of tracing them again (some 20-40 s
-    each for the demo model, on 2 cores; compile_policy.compile_kinds_at_once compiles the two kinds at once).
+    """A traced function (layers_step, or serve's pass_layer_step) compiled ahead of time (torch.compile's
+    aot_compile) and kept in a folder: a later process loads its graphs (some 5 s in all, most of it importing
+    torch's compiler) instead of tracing them again (some 20-40 s each for the demo model's steps, on 2 cores;
+    compile_policy.compile_kinds_at_once compiles the two kinds of step at once).
 
-    A graph serves the steps of one kind: one row or several (inductor specialises a size of 1), under the autograd
-    and inference modes it was traced in (its guards check them). Each kind is compiled at its first step and saved
-    under a name made of the model's cost key (shapes, dtype, layers, machine, torch) and a digest of the code it
-    is traced from: an edit of that code compiles anew (deleting the old graph). A file that does not load is
+    A graph serves the calls of one kind: for steps, one row or several (inductor specialises a size of 1), under the
+    autograd and inference modes it was traced in (its guards check them). Each kind is compiled at its first call
+    and saved under a name made of the model's cost key (shapes, dtype, layers, machine, torch) and a digest of the
+    code it is traced from: an edit of that code compiles anew (deleting the old graph). A file that does not load is
     compiled again; a step the saved graph's guards refuse runs through compiled_layers_step, traced here."""
 
-    def __init__(self, folder: Path, key: str) -> None:
-        self.folder, self.key, self.graphs = folder, key, {}
+    def __init__(self, folder: Path, key: str, traced: Callable[..., torch.Tensor] = layers_step,
+                 mark: Callable[[tuple], None] = mark_dynamic_sizes) -> None:
+        """traced: the function compiled; mark: marks the sizes of its arguments that change from call to call."""
+        self.folder, self.key, self.traced, self.mark, self.graphs = folder, key, traced, mark, {}
 
     @staticmethod
     def kind(rows: int) -> str:
         """The kind of graph that serves a step of `rows` rows in the current autograd and inference modes."""
-        return f"{'one-row' if rows == 1 else 'wider'}|grad {torch.is_grad_enabled()}|" \
-               f"inference {torch.is_inference_mode_enabled()}"
+        return modes_kind(f"{'one-row' if rows == 1 else 'wider'} steps")
 
     def path(self, kind: str) -> tuple[str, Path]:
         """The name of a kind's graph (the same for every version of the traced code) and its file."""
-        graph_name = f"layers-step-{hashlib.sha256(f'{self.key}|{kind}'.encode()).hexdigest()[:16]}"
+        traced = self.traced.__name__.replace("_", "-")
+        graph_name = f"{traced}-{hashlib.sha256(f'{self.key}|{kind}'.encode()).hexdigest()[:16]}"
         return graph_name, self.folder / f"{graph_name}-{traced_code_digest()[:16]}.pt2"
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         kind = self.kind(args[1].shape[1])
-        if kind not in self.graphs:
-            self.graphs[kind] = self._load_or_compile(kind, args)
+        graph = self.graph(kind, args)
         try:
-            return self.graphs[kind](*args)
+            return graph(*args)
         except RuntimeError as error:
             if "GuardManager check failed" not in str(error):
                 raise
             # Not met in the tests, but possible (other relations between sizes than at tracing): the rest of this
             # kind's steps run through one graph traced here, so that steps keep one rounding from this one on.
-            print(f"minilade: the saved graph for {kind} steps refuses this one ({one_line(error)[:200]}); "
-                  "tracing it here", file=sys.stderr)
+            print(f"minilade: the saved graph for {kind} refuses this one ({one_line(error)[:200]}); tracing it here",
+                  file=sys.stderr)
             self.graphs[kind] = compiled_layers_step()
             return self.graphs[kind](*args)
+
+    def graph(self, kind: str, args: tuple) -> Callable[..., torch.Tensor]:
+        """The graph of a kind, loaded or compiled from these arguments when first asked for."""
+        if kind not in self.graphs:
+            self.graphs[kind] = self._load_or_compile(kind, args)
+        return self.graphs[kind]
 
     def _load_or_compile(self, kind: str, args: tuple) -> Callable[..., torch.Tensor]:
         path = self.path(kind)[1]
@@ -298,22 +359,22 @@ class SavedGraphs:
                     return torch.compiler.load_compiled_function(f)
             except Exception as error:  # a damaged or foreign file raises whatever its unpickling meets
                 print(f"minilade: compiling again: {path} did not load ({one_line(error)})", file=sys.stderr)
-        print(f"minilade: compiling the graph of {kind.split('|')[0]} steps...", end="", file=sys.stderr, flush=True)
+        print(f"minilade: compiling the graph of {kind.split('|')[0]}...", end="", file=sys.stderr, flush=True)
         start = time.perf_counter()
         graph = self.compile(kind, args)
         print(f" {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
         return graph
 
     def compile(self, kind: str, args: tuple) -> Callable[..., torch.Tensor]:
-        """Trace and compile the graph of a kind of step from one step's arguments, and save it (replacing the
-        same graph traced from other code)."""
-        # One graph must serve every later step of its kind, and aot_compile sees one step: every size that changes
-        # from step to step is marked dynamic, as torch.compile would find from a second step. (The cache views are
+        """Trace and compile the graph of a kind from one call's arguments, and save it (replacing the same graph
+        traced from other code)."""
+        # One graph must serve every later call of its kind, and aot_compile sees one call: every size that changes
+        # from call to call is marked dynamic, as torch.compile would find from a second one. (The cache views are
         # never the whole buffer, PaddedKVCache's spare chunk sees to it: traced from a whole one, a graph demands
         # contiguous views, from a part, parts.)
-        mark_dynamic_sizes(args)
+        self.mark(args)
         with tracing_config():
-            graph = torch.compile(layers_step, fullgraph=True).aot_compile((args, {}))
+            graph = torch.compile(self.traced, fullgraph=True).aot_compile((args, {}))
         graph_name, path = self.path(kind)
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
@@ -323,6 +384,11 @@ class SavedGraphs:
             if stale != path:
                 stale.unlink(missing_ok=True)
         return graph
+
+
+def modes_kind(what: str) -> str:
+    """A kind of graph: what it serves, and the autograd and inference modes it runs in (its guards check them)."""
+    return f"{what}|grad {torch.is_grad_enabled()}|inference {torch.is_inference_mode_enabled()}"
 
 
 @functools.cache
@@ -349,7 +415,9 @@ def graph_layout(layout: KeyLayout) -> tuple[torch.Tensor, ...]:
     if tail_select.shape[0] < 2:
         tail_select = F.pad(tail_select, (0, 0, 0, 0, 0, 2 - tail_select.shape[0]))
     slots = torch.arange(Sp, device=key_bias.device)
-    return key_bias, (slots < L0).to(key_bias.dtype), slots[L0:], tail_select
+    # The tail's slots made afresh, not cut from `slots`: a graph traced from a view at storage offset L0 >= 2 would
+    # refuse a step whose L0 is 0 or 1 (a size or offset of 0 or 1 is specialised).
+    return key_bias, (slots < L0).to(key_bias.dtype), torch.arange(L0, Sp, device=key_bias.device), tail_select
 
 
 def compile_steps(model: Transformer, graphs: Path | None = None) -> Transformer:

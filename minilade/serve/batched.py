@@ -16,15 +16,16 @@ tensors the call alone would give it, or stacked with others in a way that gives
 each call gets bitwise the logits the model gives it alone.
 
 Where the model's decoding steps are compiled (compiled.py), they round otherwise than eager ones, and a call gets
-what the model gives it alone only by running as the model runs it alone (`runs_compiled`): a decoding step through
-the compiled step, a prompt's prefill (and each of its parts, prefill.py) through the eager layers. The compiled
-calls of a pass then run one after another, each its own compiled step; the eager ones share a pass as above.
+what the model gives it alone only by running as the model runs it alone (`runs_compiled`): a decoding step with
+its compiled step's bits, a prompt's prefill (and each of its parts, prefill.py) through the eager layers. The
+compiled calls of a pass share compiled passes of their own (compiled_pass.py) or run one after another; the eager
+ones share a pass as above.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -89,25 +90,33 @@ def prepare_call(model: Transformer, call: ForwardCall) -> PreparedCall:
     return PreparedCall(call, cos, sin, step, rows.to(model.device))
 
 
-def batched_forward(model: Transformer, calls: list[PreparedCall]) -> list[torch.Tensor]:
+def batched_forward(model: Transformer, calls: list[PreparedCall],
+                    compiled: Callable[[Transformer, list[ForwardCall]], list[torch.Tensor]] | None = None
+                    ) -> list[torch.Tensor]:
     """Logits of each call, (1, R_i, V) in the model dtype: the eager calls computed in one pass over all their
-    rows (eager_forward), each compiled one by the model's compiled step (runs_compiled).
+    rows (eager_forward), the compiled ones (runs_compiled) by `compiled` (compiled_pass.SharedPasses), or each by
+    the model's compiled step.
 
     Each call's K/V are written into its own cache at [length, length + T_i); no cache length changes (the
     call's decoder commits or compacts afterwards, as after Transformer.forward).
     """
     logits: list[torch.Tensor | None] = [None] * len(calls)
-    eager = []
+    kinds: tuple[list[int], list[int]] = ([], [])  # eager, compiled
     for i, p in enumerate(calls):
-        if runs_compiled(model, p.call):
-            call = p.call
-            logits[i] = model(call.tokens, call.input_pos, call.cache, call.mask, call.logits_rows)
-        else:
-            eager.append(i)
+        kinds[runs_compiled(model, p.call)].append(i)
+    eager, steps = kinds
+    if steps:
+        for i, result in zip(steps, (compiled or one_after_another)(model, [calls[i].call for i in steps])):
+            logits[i] = result
     if eager:
         for i, result in zip(eager, eager_forward(model, [calls[i] for i in eager])):
             logits[i] = result
     return logits
+
+
+def one_after_another(model: Transformer, calls: list[ForwardCall]) -> list[torch.Tensor]:
+    """Logits of each call, each through Transformer.forward alone."""
+    return [model(c.tokens, c.input_pos, c.cache, c.mask, c.logits_rows) for c in calls]
 
 
 def eager_forward(model: Transformer, calls: list[PreparedCall]) -> list[torch.Tensor]:

@@ -6,8 +6,8 @@ not compute: a decoder's forward call is handed to the engine and the worker blo
 engine waits until every running request is blocked in a forward call (or has finished), then has one pass run over
 all their rows (batched.batched_forward) and each call answered with its logits. The decoders are unchanged, and
 each sees exactly the logits it would get alone, so each answer is the one it gets alone (where the model's steps
-are compiled, each decoding call runs its own compiled step within the pass, as alone). A prompt's prefill starts
-from the rows kept for a prefix it shares with a finished request and runs in chunks (prefill.py).
+are compiled, its decoding calls go through compiled passes that give each call its own step's bits). A prompt's
+prefill starts from the rows kept for a prefix it shares with a finished request and runs in chunks (prefill.py).
 
 Every pass runs in the engine's thread, on torch's CPU threads, and a worker computes on its own thread alone
 (compute_alone): each thread that opens a parallel region gets an OpenMP pool of its own, and a
@@ -42,6 +42,7 @@ from ..kv_cache import KVCache
 from ..llm import LLM, TextStream
 from ..model import Transformer
 from .batched import ForwardCall, PreparedCall, batched_forward, prepare_call, runs_compiled
+from .compiled_pass import SharedPasses, groups
 from .errors import busy, unavailable
 from .metrics import Metrics
 from .planner import PassMember, PassPlans
@@ -145,9 +146,11 @@ class Engine:
         history: earlier answers that greedy auto generations draft from, and add theirs to (None: none shared).
         prefill_chunk: prompt rows a new request feeds each pass while others run (they wait at most that pass)."""
         self.llm, self.max_concurrent, self.queue_size, self.prefixes = llm, max_concurrent, queue_size, prefixes
-        # Compiled decoding calls run one after another, each its own step (batched.py): a generation's step then
-        # costs what it costs alone, and it plans as alone.
+        # Where the model's steps are compiled, its decoding calls run in passes of their own (compiled_pass.py,
+        # where checked exact, else one after another), whose cost is not a step's of as many rows: greedy auto
+        # generations plan as alone.
         self.plan_together = plan_together and llm.model.step_runner is None
+        self.shared_passes = SharedPasses.checked(llm.model)
         self.history, self.plans = history, PassPlans()
         self.prefill_chunk = prefill_chunk
         self.split_prefills = splits_exactly(llm.model)  # from kept rows and in chunks (prefill.py)
@@ -321,17 +324,20 @@ class Engine:
             if not ready:
                 return
             try:
-                logits = batched_forward(model, [prepared for _, prepared in ready])
+                logits = batched_forward(model, [prepared for _, prepared in ready], self.shared_passes)
             except Exception:  # noqa: BLE001 -- never let one call's fault reach the others: run each alone
                 log.exception("a shared pass failed; running its calls one by one")
                 logits = [self._alone(model, prepared, call) for call, prepared in ready]
-        # The passes that ran: one per compiled call (each its own step), one for all the eager calls.
-        eager = [prepared.T for _, prepared in ready if not runs_compiled(model, prepared.call)]
+        # The passes that ran: one for all the eager calls, one for each group of compiled ones.
+        kinds: tuple[list[int], list[int]] = ([], [])  # rows of the eager calls, of the compiled ones
         for _, prepared in ready:
-            if runs_compiled(model, prepared.call):
-                self.metrics.forward_pass(1, prepared.T)
+            kinds[runs_compiled(model, prepared.call)].append(prepared.T)
+        eager, steps = kinds
         if eager:
             self.metrics.forward_pass(len(eager), sum(eager))
+        together = groups(steps) if self.shared_passes else [[i] for i in range(len(steps))]
+        for group in together:
+            self.metrics.forward_pass(len(group), sum(steps[i] for i in group))
         for (call, _), result in zip(ready, logits):
             if result is not None:
                 call.answer(result)

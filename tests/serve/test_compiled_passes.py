@@ -1,6 +1,6 @@
 """A server over a model whose decoding steps are compiled: each call runs as the model runs it alone (a decoding
-step through the compiled step, a prompt's prefill and its parts through the eager layers), so each answer is the
-one LLM.generate gives with the same compiled model."""
+step with its compiled step's bits, alone or in a shared compiled pass; a prompt's prefill and its parts through the
+eager layers), so each answer is the one LLM.generate gives with the same compiled model."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import torch
 
 from minilade import LLM
 from minilade.decoding import GenerationSettings, make_strategy
+from minilade.masks import interleaved_step
 from minilade.sampling import SamplingParams
 from minilade.serve.batched import ForwardCall, batched_forward, prepare_call, runs_compiled
+from minilade.serve.compiled_pass import GROUP, SharedPasses, groups
 from minilade.serve.engine import Engine, Job
 from minilade.serve.prefill import PrefixCache
 from tests.helpers import FLAT_COSTS
@@ -54,6 +56,58 @@ def test_a_pass_gives_each_call_the_logits_of_the_model_alone(llm):
             model.step_runner = runner
     assert torch.equal(together[0], compiled_alone) and torch.equal(together[1], eager[1])
     assert not torch.equal(compiled_alone, eager[0])
+
+
+def test_a_shared_compiled_pass_gives_each_call_its_own_steps_logits(llm):
+    """SharedPasses: the engine's check holds on this model, and a pass of three one-row calls and two
+    lookahead-shaped ones over caches of different lengths gives each call bitwise what its own compiled step gives
+    it, and writes the same rows into its cache."""
+    model = llm.model
+    passes = SharedPasses.checked(model)
+    assert passes is not None
+    with torch.inference_mode():
+        calls = [[], []]  # the same calls over two copies of their caches
+        for i, (past, rows) in enumerate([(5, 1), (17, 1), (40, 1), (9, 7), (23, 5)]):
+            positions, mask = interleaved_step(past, rows, lanes=2) if rows > 1 else (torch.tensor([past]), None)
+            for copy in calls:
+                cache = model.new_cache(64)
+                model(torch.arange(3, 3 + past)[None] % 40, torch.arange(past), cache)
+                cache.commit(past)
+                copy.append(ForwardCall(torch.arange(rows)[None] + i, positions, cache, mask))
+        together = passes(model, calls[0])
+        alone = [model(c.tokens, c.input_pos, c.cache, c.mask) for c in calls[1]]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+    assert all(torch.equal(a.cache.k, b.cache.k) and torch.equal(a.cache.v, b.cache.v)
+               for a, b in zip(*calls))
+
+
+def test_a_graph_that_refuses_a_pass_leaves_its_calls_to_their_own_steps(llm, monkeypatch, capsys):
+    """Where a kind's graph refuses a pass (its guards), the group's calls run one after another with their own
+    steps' logits, with a line saying so, and later groups of that kind go that way at once."""
+    model = llm.model
+    passes = SharedPasses.checked(model)
+    kind = next(k for k in passes.graphs.graphs if k.startswith("passes of 2 one-row"))
+
+    def refusing(*args):
+        raise RuntimeError("GuardManager check failed, reason: a test's")
+    monkeypatch.setitem(passes.graphs.graphs, kind, refusing)
+    with torch.inference_mode():
+        calls = [[], []]
+        for i, past in enumerate((6, 30)):
+            for copy in calls:
+                cache = model.new_cache(64)
+                model(torch.arange(3, 3 + past)[None] % 40, torch.arange(past), cache)
+                cache.commit(past)
+                copy.append(ForwardCall(torch.tensor([[5 + i]]), torch.tensor([past]), cache))
+        got = passes.run_group(model, calls[0])
+        want = [model(c.tokens, c.input_pos, c.cache) for c in calls[1]]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert "refuses a pass" in capsys.readouterr().err and kind in passes.refused
+
+
+def test_a_pass_groups_calls_of_one_kind():
+    assert groups([1, 4, 1, 1, 3, 1, 1, 1]) == [[0, 2, 3, 5], [6, 7], [1, 4]]
+    assert all(len(group) <= GROUP for group in groups([1] * 9))
 
 
 def test_concurrent_answers_equal_alone_through_compiled_steps(llm):
