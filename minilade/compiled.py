@@ -351,14 +351,20 @@ class SavedGraphs:
             self.graphs[kind] = self._load_or_compile(kind, args)
         return self.graphs[kind]
 
-    def _load_or_compile(self, kind: str, args: tuple) -> Callable[..., torch.Tensor]:
+    def load(self, kind: str) -> bool:
+        """Load the saved graph of a kind, if there is one and it loads (else a line says why); whether it did."""
         path = self.path(kind)[1]
-        if path.exists():
+        if kind not in self.graphs and path.exists():
             try:
                 with path.open("rb") as f:
-                    return torch.compiler.load_compiled_function(f)
+                    self.graphs[kind] = torch.compiler.load_compiled_function(f)
             except Exception as error:  # a damaged or foreign file raises whatever its unpickling meets
                 print(f"minilade: compiling again: {path} did not load ({one_line(error)})", file=sys.stderr)
+        return kind in self.graphs
+
+    def _load_or_compile(self, kind: str, args: tuple) -> Callable[..., torch.Tensor]:
+        if self.load(kind):
+            return self.graphs[kind]
         print(f"minilade: compiling the graph of {kind.split('|')[0]}...", end="", file=sys.stderr, flush=True)
         start = time.perf_counter()
         graph = self.compile(kind, args)

@@ -10,8 +10,8 @@ rows 35 against 51. Each call's own attention bounds the gain.
 A graph serves one kind of group: so many calls, all one-row or all wider (inductor specialises a size of 1, so a
 one-row call and a wider one take different code). A pass's calls go in groups of one kind of at most GROUP calls
 (`groups`); a group of one is the call's own step. Each kind is compiled once per machine when first needed (some
-15-30 s for the demo model on 2 cores, while every request waits) and kept beside the steps' graphs
-(compiled.SavedGraphs). It is traced from probe calls whose every size differs from call to call, not from the pass
+10-25 s for the demo model on 2 cores, while every request waits) and kept beside the steps' graphs
+(compiled.SavedGraphs); the kinds kept are loaded when the engine starts. It is traced from probe calls whose every size differs from call to call, not from the pass
 at hand: traced from calls of equal sizes, a graph would demand them equal ever after.
 
 Each call's rows get what its step alone gives them: the same operations row by row, the same weight matmuls
@@ -58,6 +58,9 @@ class SharedPasses:
         if not isinstance(runner, CompiledSteps) or runner.graphs is None:
             return None
         passes = cls(model)
+        with torch.inference_mode():  # the mode of the engine's passes, in which the graphs are kept
+            for kind in passes.kinds():  # those a process before compiled, loaded now rather than amid a pass
+                passes.graphs.load(kind)
         for rows in (1, 3):
             together, alone = probe_calls(model, 2, rows), probe_calls(model, 2, rows)
             with torch.inference_mode():
@@ -73,6 +76,16 @@ class SharedPasses:
                 return None
         return passes
 
+    @staticmethod
+    def kind(n: int, one_row: bool) -> str:
+        """The kind of graph that serves a group of n calls, one-row or wider, in the current autograd and inference
+        modes."""
+        return modes_kind(f"passes of {n} {'one-row' if one_row else 'wider'} calls")
+
+    def kinds(self) -> list[str]:
+        """Every kind of graph a pass may need (groups of 2 to GROUP calls)."""
+        return [self.kind(n, one_row) for n in range(2, GROUP + 1) for one_row in (True, False)]
+
     def __call__(self, model: Transformer, calls: list[ForwardCall]) -> list[torch.Tensor]:
         """Logits of each call, (1, R_i, V), as its own compiled step gives them: one pass a group (groups)."""
         logits: list[torch.Tensor | None] = [None] * len(calls)
@@ -84,7 +97,7 @@ class SharedPasses:
     def run_group(self, model: Transformer, calls: list[ForwardCall]) -> list[torch.Tensor]:
         """One pass over calls of one kind (all one-row or all wider), their caches holding rows."""
         one_row = calls[0].tokens.shape[1] == 1
-        kind = modes_kind(f"passes of {len(calls)} {'one-row' if one_row else 'wider'} calls")
+        kind = self.kind(len(calls), one_row)
         if len(calls) == 1 or kind in self.refused:
             return one_after_another(model, calls)
         if kind not in self.graphs.graphs:  # compiled (or loaded) from probe calls of unequal sizes
