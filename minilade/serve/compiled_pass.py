@@ -11,8 +11,9 @@ A graph serves one kind of group: so many calls, all one-row or all wider (induc
 one-row call and a wider one take different code). A pass's calls go in groups of one kind of at most GROUP calls
 (`groups`); a group of one is the call's own step. Each kind is compiled once per machine when first needed (some
 10-25 s for the demo model on 2 cores, while every request waits) and kept beside the steps' graphs
-(compiled.SavedGraphs); the kinds kept are loaded when the engine starts. It is traced from probe calls whose every size differs from call to call, not from the pass
-at hand: traced from calls of equal sizes, a graph would demand them equal ever after.
+(compiled.SavedGraphs); the kinds kept are loaded when the engine starts. A kind is traced from probe calls whose
+every size differs from call to call, not from the pass at hand: traced from calls of equal sizes, a graph would
+demand them equal ever after.
 
 Each call's rows get what its step alone gives them: the same operations row by row, the same weight matmuls
 (row-count invariant: the load-time check) and its own attention. That is a claim about the compiler's code, so

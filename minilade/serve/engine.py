@@ -11,8 +11,9 @@ prefill starts from the rows kept for a prefix it shares with a finished request
 
 Every pass runs in the engine's thread, on torch's CPU threads, and a worker computes on its own thread alone
 (compute_alone): each thread that opens a parallel region gets an OpenMP pool of its own, and a
-second pool slows every parallel operation (libgomp shortens its idle threads' spin-wait when they outnumber the
-cores, so each operation waits for its threads to wake). Measured on 2 cores, a one-row step of the demo model:
+second pool slows every parallel operation (likely because libgomp spins idle threads only briefly once they
+outnumber the cores, as its GOMP_SPINCOUNT documentation says, so each operation waits for its threads to wake).
+Measured on 2 cores, a one-row step of the demo model:
 compiled, 8.5 ms in the thread that loaded the model and 23 ms in a second thread; eager, 10.5 and 18 ms; with
 everything in one thread, loading included, 10 ms whichever thread that is.
 
