@@ -18,13 +18,14 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.distributed as dist
 
-from .compiled import GRAPHS_FOLDER, CompiledSteps, compile_steps
+from .compiled import CompiledSteps, compile_steps
 from .decoding.step_costs import cost_key, measure_step_costs
 from .device import check_invariance
 from .invariance import RowTiledLinear
 from .masks import interleaved_step
 from .memo import read_table, write_entry
 from .model import Transformer
+from .saved_graphs import GRAPHS_FOLDER
 
 
 def compiler_missing() -> str | None:
@@ -40,8 +41,8 @@ def choose_steps(model: Transformer, check_file: str | Path | None = None, *, fo
     less time than eagerly. Compiling is not tried, unless forced, where a weight matmul would need padding rows
     in the graph (RowTiledLinear.graph_rows > 1: float32 here, measured slower than its eager prepacked kernel).
     What was found is kept in check_file (JSON, per model, machine and kernels), the graphs in a folder beside it
-    (GRAPHS_FOLDER, SavedGraphs), so a later process neither measures nor traces again. The model is left eager when
-    compiled steps lose or fail; the return value says which, in a few words, for the user."""
+    (GRAPHS_FOLDER, compiled.SavedSteps), so a later process neither measures nor traces again. The model is left
+    eager when compiled steps lose or fail; the return value says which, in a few words, for the user."""
     missing = compiler_missing()
     if missing:
         return f"eager steps ({missing})"
@@ -78,7 +79,7 @@ def choose_steps(model: Transformer, check_file: str | Path | None = None, *, fo
 
 
 def compile_kinds_at_once(model: Transformer) -> None:
-    """Compile the saved graphs of one-row and of wider steps (SavedGraphs) at the same time, where neither is
+    """Compile the saved graphs of one-row and of wider steps (compiled.SavedSteps) at the same time, where neither is
     saved yet: the wider one in a forked process, the one-row one here. Tracing and lowering a graph is Python, one
     core's work (some 20-40 s a graph for the demo model on 2 cores), so the two take about as long as one.
 

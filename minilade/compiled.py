@@ -19,19 +19,14 @@ decoding's output through compiled steps, as they do eagerly.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
-import os
 import sys
-import time
 import weakref
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.fx.experimental._config as shape_config
 import torch.nn.functional as F
 
 from .decoding.step_costs import cost_key
@@ -52,10 +47,7 @@ from .invariance import (
 )
 from .kv_cache import KVCache
 from .model import Block, Transformer
-
-GRAPHS_FOLDER = "graphs"  # where saved graphs are kept: beside the kept tables (compile_policy.choose_steps)
-# The modules whose code a layer's graph is traced from (a saved graph is kept per digest of them: SavedGraphs).
-TRACED_FROM = ("compiled.py", "model.py", "invariance.py", "integer_linear.py", "quant.py", "kv_cache.py")
+from .saved_graphs import SavedGraphs, modes_kind, traced_code_digest, tracing_config
 
 
 def chunked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_bias: torch.Tensor,
@@ -199,19 +191,6 @@ def mark_dynamic_sizes(args: tuple) -> None:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
-def tracing_config() -> contextlib.AbstractContextManager:
-    """How a step's graph is traced: sizes equal by chance get symbols of their own (no duck shaping), or the guards
-    would demand them equal ever after (and a layer's subgraph, traced with one size bound to another, fails when it
-    is called with them apart); floats stay constants (aot_compile cannot restart its analysis when a float becomes a
-    tensor); only the sizes mark_dynamic_sizes marks are dynamic, never those that differ between two models that
-    ran through compiled_layers_step (dynamo's automatic dynamic shapes: a subgraph with weights of symbolic sizes
-    fails to trace in torch 2.13)."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch._dynamo.config.patch(specialize_float=True, automatic_dynamic_shapes=False))
-    stack.enter_context(shape_config.patch(use_duck_shape=False))
-    return stack
-
-
 @functools.cache
 def compiled_layers_step() -> Callable[..., torch.Tensor]:
     """layers_step under torch.compile, shared by every model: used where no folder keeps the graphs (SavedGraphs
@@ -281,7 +260,7 @@ class CompiledSteps:
         """What runs layers_step: the SavedGraphs of this model where a folder keeps its graphs, made when first
         asked for (its key names this runner, which is installed after __init__)."""
         if self.run_layers is None:
-            self.run_layers = SavedGraphs(self.graphs, cost_key(model))
+            self.run_layers = SavedSteps(self.graphs, cost_key(model))
         return self.run_layers
 
     def layers_inputs(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
@@ -302,33 +281,18 @@ class CompiledSteps:
         return model.layers, x, cos, sin, slots, keys, values, *step_layout
 
 
-class SavedGraphs:
-    """A traced function (layers_step, or serve's pass_layer_step) compiled ahead of time (torch.compile's
-    aot_compile) and kept in a folder: a later process loads its graphs (some 5 s in all, most of it importing
-    torch's compiler) instead of tracing them again (some 20-40 s each for the demo model's steps, on 2 cores;
-    compile_policy.compile_kinds_at_once compiles the two kinds of step at once).
+class SavedSteps(SavedGraphs):
+    """layers_step's graphs kept in a folder (SavedGraphs), one a kind of step: one row or several
+    (compile_policy.compile_kinds_at_once compiles the two at once). A step the saved graph's guards refuse runs
+    through compiled_layers_step, traced here."""
 
-    A graph serves the calls of one kind: for steps, one row or several (inductor specialises a size of 1), under the
-    autograd and inference modes it was traced in (its guards check them). Each kind is compiled at its first call
-    and saved under a name made of the model's cost key (shapes, dtype, layers, machine, torch) and a digest of the
-    code it is traced from: an edit of that code compiles anew (deleting the old graph). A file that does not load is
-    compiled again; a step the saved graph's guards refuse runs through compiled_layers_step, traced here."""
-
-    def __init__(self, folder: Path, key: str, traced: Callable[..., torch.Tensor] = layers_step,
-                 mark: Callable[[tuple], None] = mark_dynamic_sizes) -> None:
-        """traced: the function compiled; mark: marks the sizes of its arguments that change from call to call."""
-        self.folder, self.key, self.traced, self.mark, self.graphs = folder, key, traced, mark, {}
+    def __init__(self, folder: Path, key: str) -> None:
+        super().__init__(folder, key, layers_step, mark_dynamic_sizes)
 
     @staticmethod
     def kind(rows: int) -> str:
         """The kind of graph that serves a step of `rows` rows in the current autograd and inference modes."""
         return modes_kind(f"{'one-row' if rows == 1 else 'wider'} steps")
-
-    def path(self, kind: str) -> tuple[str, Path]:
-        """The name of a kind's graph (the same for every version of the traced code) and its file."""
-        traced = self.traced.__name__.replace("_", "-")
-        graph_name = f"{traced}-{hashlib.sha256(f'{self.key}|{kind}'.encode()).hexdigest()[:16]}"
-        return graph_name, self.folder / f"{graph_name}-{traced_code_digest()[:16]}.pt2"
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         kind = self.kind(args[1].shape[1])
@@ -344,64 +308,6 @@ class SavedGraphs:
                   file=sys.stderr)
             self.graphs[kind] = compiled_layers_step()
             return self.graphs[kind](*args)
-
-    def graph(self, kind: str, args: tuple) -> Callable[..., torch.Tensor]:
-        """The graph of a kind, loaded or compiled from these arguments when first asked for."""
-        if kind not in self.graphs:
-            self.graphs[kind] = self._load_or_compile(kind, args)
-        return self.graphs[kind]
-
-    def load(self, kind: str) -> bool:
-        """Load the saved graph of a kind, if there is one and it loads (else a line says why); whether it did."""
-        path = self.path(kind)[1]
-        if kind not in self.graphs and path.exists():
-            try:
-                with path.open("rb") as f:
-                    self.graphs[kind] = torch.compiler.load_compiled_function(f)
-            except Exception as error:  # a damaged or foreign file raises whatever its unpickling meets
-                print(f"minilade: compiling again: {path} did not load ({one_line(error)})", file=sys.stderr)
-        return kind in self.graphs
-
-    def _load_or_compile(self, kind: str, args: tuple) -> Callable[..., torch.Tensor]:
-        if self.load(kind):
-            return self.graphs[kind]
-        print(f"minilade: compiling the graph of {kind.split('|')[0]}...", end="", file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        graph = self.compile(kind, args)
-        print(f" {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-        return graph
-
-    def compile(self, kind: str, args: tuple) -> Callable[..., torch.Tensor]:
-        """Trace and compile the graph of a kind from one call's arguments, and save it (replacing the same graph
-        traced from other code)."""
-        # One graph must serve every later call of its kind, and aot_compile sees one call: every size that changes
-        # from call to call is marked dynamic, as torch.compile would find from a second one. (The cache views are
-        # never the whole buffer, PaddedKVCache's spare chunk sees to it: traced from a whole one, a graph demands
-        # contiguous views, from a part, parts.)
-        self.mark(args)
-        with tracing_config():
-            graph = torch.compile(self.traced, fullgraph=True).aot_compile((args, {}))
-        graph_name, path = self.path(kind)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        graph.save_compiled_function(str(partial))
-        os.replace(partial, path)  # whole or absent, never half-written
-        for stale in self.folder.glob(f"{graph_name}-*.pt2"):  # the same graph traced from other code
-            if stale != path:
-                stale.unlink(missing_ok=True)
-        return graph
-
-
-def modes_kind(what: str) -> str:
-    """A kind of graph: what it serves, and the autograd and inference modes it runs in (its guards check them)."""
-    return f"{what}|grad {torch.is_grad_enabled()}|inference {torch.is_inference_mode_enabled()}"
-
-
-@functools.cache
-def traced_code_digest() -> str:
-    """A digest of the source files a layer's graph is traced from."""
-    here = Path(__file__).parent
-    return hashlib.sha256(b"".join((here / name).read_bytes() for name in TRACED_FROM)).hexdigest()
 
 
 def graph_layout(layout: KeyLayout) -> tuple[torch.Tensor, ...]:

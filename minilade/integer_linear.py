@@ -205,7 +205,7 @@ class W7A8Linear(nn.Module):
     def _register(self) -> None:
         """Be found by w7a8_matmul under the storage of weight_scales (again whenever a copy or a move makes one), by
         its C++ body too where it runs (forgotten there when the layer goes). A copy with fake tensors (what a saved
-        graph's guards unpickle, compiled.SavedGraphs) has no storage to key."""
+        graph's guards unpickle, saved_graphs.SavedGraphs) has no storage to key."""
         if isinstance(self.weight_scales, FakeTensor):
             return
         address = self.weight_scales.data_ptr()

@@ -132,7 +132,7 @@ class PaddedKVCache(KVCache):
 
     k: (n_layers, B, Hkv, slots, D), v: (n_layers, B, Hkv, slots, value_columns(D)), slots = capacity rounded up to
     KEY_CHUNK, two chunks at least, and one spare chunk after: a step's keys never fill the buffer, so the views of it
-    that compiled steps are handed all have the same kind of strides (compiled.SavedGraphs traces a graph once for
+    that compiled steps are handed all have the same kind of strides (saved_graphs.SavedGraphs traces a graph once for
     every later step). v's column D is all ones (it sums the attention weights) and the columns after it zero. Kept
     in attention's work dtype (bfloat16 keys and values stored exactly in float32, read without a copy). Slots never
     written hold zeros, so every slot is finite (a hidden key weighs exactly 0).

@@ -11,7 +11,7 @@ A graph serves one kind of group: so many calls, all one-row or all wider (induc
 one-row call and a wider one take different code). A pass's calls go in groups of one kind of at most GROUP calls
 (`groups`); a group of one is the call's own step. Each kind is compiled once per machine when first needed (some
 10-25 s for the demo model on 2 cores, while every request waits) and kept beside the steps' graphs
-(compiled.SavedGraphs); the kinds kept are loaded when the engine starts. A kind is traced from probe calls whose
+(saved_graphs.SavedGraphs); the kinds kept are loaded when the engine starts. A kind is traced from probe calls whose
 every size differs from call to call, not from the pass at hand: traced from calls of equal sizes, a graph would
 demand them equal ever after.
 
@@ -27,11 +27,12 @@ import sys
 
 import torch
 
-from ..compiled import CompiledSteps, SavedGraphs, mark_pass_sizes, modes_kind, pass_layer_step
+from ..compiled import CompiledSteps, mark_pass_sizes, pass_layer_step
 from ..decoding.step_costs import cost_key
 from ..errors import one_line
 from ..masks import interleaved_step
 from ..model import Transformer
+from ..saved_graphs import SavedGraphs, modes_kind
 from .batched import ForwardCall, one_after_another
 
 GROUP = 4  # calls in a group at most: more a group, more kinds of graph to compile (module docstring)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minilade import Auto, Autoregressive, Lookahead, compile_policy, compiled
+from minilade import Auto, Autoregressive, Lookahead, compile_policy, compiled, saved_graphs
 from minilade.compile_policy import choose_steps
 from minilade.compiled import chunked_attention, compile_steps, graph_layout
 from minilade.config import ModelConfig
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.xdist_group("compiled")
 
 def compiled_model(kind: str, sliding_window: int = 0, graphs: Path | None = None) -> Transformer:
     """A tiny model made exact (device.make_exact) with compiled steps: float32, bfloat16, int8, int4 or w7a8
-    layers; graphs: where to keep them (compiled.SavedGraphs), or traced in this process."""
+    layers; graphs: where to keep them (compiled.SavedSteps), or traced in this process."""
     config = ModelConfig.preset("tiny-gqa").replace(vocab_size=32, dim=64, head_dim=16, intermediate_size=128,
                                                     sliding_window=sliding_window)  # int4 groups of 32 inputs
     model = Transformer(config).init_random(seed=3, std=0.3).eval()
@@ -132,7 +132,7 @@ def test_steps_are_compiled_when_asked_and_exact_and_the_setup_says_so(monkeypat
     assert "compiling the graphs of one-row and of wider steps (the wider in a second process)... " in err
     assert "compiling the graph of" not in err and "did not save" not in err and "refuses" not in err, err
     assert model.step_runner is not None and check_file.exists()
-    assert len(list((kept / compiled.GRAPHS_FOLDER).glob("*.pt2"))) == 2  # one-row steps and wider ones
+    assert len(list((kept / saved_graphs.GRAPHS_FOLDER).glob("*.pt2"))) == 2  # one-row steps and wider ones
     monkeypatch.setattr(compile_policy.shutil, "which", lambda name: None)
     model.step_runner = None
     assert choose_steps(model, check_file, force=True) == \
@@ -145,14 +145,14 @@ def test_a_second_process_that_fails_leaves_its_graph_to_the_first_step_of_its_k
     """compile_policy.compile_kinds_at_once: where the second process does not save the wider steps' graph, one line
     says so, and the first wider step compiles it here; the steps are still the ones a model compiled here
     computes."""
-    parent, compile_graph = os.getpid(), compiled.SavedGraphs.compile
+    parent, compile_graph = os.getpid(), compiled.SavedSteps.compile
 
     def failing_in_the_second_process(self, kind, args):
         if os.getpid() != parent:
             raise RuntimeError("a test's")
         return compile_graph(self, kind, args)
 
-    monkeypatch.setattr(compiled.SavedGraphs, "compile", failing_in_the_second_process)
+    monkeypatch.setattr(compiled.SavedSteps, "compile", failing_in_the_second_process)
     model = compiled_model("w7a8", graphs=tmp_path)
     compile_policy.compile_kinds_at_once(model)
     assert "the second process did not save its graph (exit status 1)" in capsys.readouterr().err
@@ -186,10 +186,10 @@ print("graphs traced:", torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 def test_saved_graphs_serve_a_later_process_without_tracing_and_a_damaged_one_is_compiled_again(kept, tmp_path
                                                                                                ) -> None:
-    """compiled.SavedGraphs: the graphs one process compiled (one-row and wider steps) load in another, which traces
+    """compiled.SavedSteps: the graphs one process compiled (one-row and wider steps) load in another, which traces
     nothing and computes the same logits bit for bit, over a cache of another size; a file that does not load is
     compiled again, saying so."""
-    graphs, logits = kept / compiled.GRAPHS_FOLDER, tmp_path / "logits.pt"
+    graphs, logits = kept / saved_graphs.GRAPHS_FOLDER, tmp_path / "logits.pt"
     want = two_steps(compiled_model("w7a8", graphs=graphs))
     saved = sorted(graphs.glob("*.pt2"))
     assert len(saved) == 2
@@ -211,7 +211,7 @@ def test_saved_graphs_serve_a_later_process_without_tracing_and_a_damaged_one_is
 def test_a_step_the_saved_graph_refuses_runs_through_a_graph_traced_here(kept, capsys) -> None:
     """Where a saved graph's guards refuse a step, that kind of step runs through compiled_layers_step from then on
     (one line on stderr says so), which computes what a model compiled in this process computes."""
-    model = compiled_model("w7a8", graphs=kept / compiled.GRAPHS_FOLDER)
+    model = compiled_model("w7a8", graphs=kept / saved_graphs.GRAPHS_FOLDER)
     two_steps(model)  # the saved graphs loaded (or compiled)
     saved = model.step_runner.run_layers
 
