@@ -173,10 +173,7 @@ def mark_pass_sizes(args: tuple) -> None:
     for i in range(0, len(calls), CALL_INPUTS):
         slots, keys, values, *step_layout = calls[i:i + CALL_INPUTS]
         marks += [(slots, (0,)), (keys, (2,)), (values, (2,)), *((t, range(t.dim())) for t in step_layout)]
-    for tensor, dims in marks:
-        for dim in dims:
-            if tensor.shape[dim] > 1:
-                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    mark_dims(marks)
 
 
 def mark_dynamic_sizes(args: tuple) -> None:
@@ -184,8 +181,14 @@ def mark_dynamic_sizes(args: tuple) -> None:
     layout and its tail; sizes of 1 stay static, as inductor specialises them), so that the first step of a kind
     traces the graph every later step of that kind runs. Weights keep static sizes: a graph is a model's own."""
     _, x, cos, sin, slots, keys, values, *step_layout = args
-    for tensor, dims in ((x, (1,)), (cos, (1,)), (sin, (1,)), (slots, (0,)), *((t, (2,)) for t in keys + values),
-                         *((t, range(t.dim())) for t in step_layout)):
+    mark_dims([(x, (1,)), (cos, (1,)), (sin, (1,)), (slots, (0,)), *((t, (2,)) for t in keys + values),
+               *((t, range(t.dim())) for t in step_layout)])
+
+
+def mark_dims(marks: list) -> None:
+    """Mark the given dimensions of each tensor, (tensor, dims) pairs, dynamic; sizes of 1 stay static, as inductor
+    specialises them."""
+    for tensor, dims in marks:
         for dim in dims:
             if tensor.shape[dim] > 1:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
