@@ -59,6 +59,11 @@ class SharedPasses:
         runner = model.step_runner
         if not isinstance(runner, CompiledSteps) or runner.graphs is None:
             return None
+        if probe_positions(GROUP, 3) > model.config.max_seq_len:
+            print(f"minilade: served requests' compiled steps run one after another (the model's context of "
+                  f"{model.config.max_seq_len} positions cannot hold the probe calls that compiled passes are traced "
+                  f"from)", file=sys.stderr)
+            return None
         passes = cls(model)
         with torch.inference_mode():  # the mode of the engine's passes, in which the graphs are kept
             for kind in passes.kinds():  # those a process before compiled, loaded now rather than amid a pass
@@ -148,9 +153,9 @@ def probe_calls(model: Transformer, n: int, rows: int) -> list[ForwardCall]:
     the rows of wider calls unequal too: every size a graph of their kind makes dynamic differs between them."""
     calls = []
     for i in range(n):
-        past, T = 9 + 130 * i, rows + i if rows > 1 else 1
+        past, T = probe_size(i, rows)
         with torch.inference_mode(False):  # a cache as generation makes one
-            cache = model.new_cache(past + T + 64)
+            cache = model.new_cache(past + T + PROBE_ROOM)
         with torch.inference_mode():
             model((torch.arange(past, device=model.device)[None] * (7 + i)) % model.config.vocab_size,
                   torch.arange(past, device=model.device), cache)
@@ -160,6 +165,20 @@ def probe_calls(model: Transformer, n: int, rows: int) -> list[ForwardCall]:
         calls.append(ForwardCall(tokens, positions.to(model.device), cache,
                                  None if mask is None else mask.to(model.device)))
     return calls
+
+
+PROBE_ROOM = 64  # cache slots a probe's cache holds past its step
+
+
+def probe_size(i: int, rows: int) -> tuple[int, int]:
+    """The i-th probe call's prompt length (a chunk count of its own, as 130 positions apart) and rows."""
+    return 9 + 130 * i, rows + i if rows > 1 else 1
+
+
+def probe_positions(n: int, rows: int) -> int:
+    """Positions the caches of n probe calls of `rows` rows reach: the model's context must hold them."""
+    past, T = probe_size(n - 1, rows)
+    return past + T + PROBE_ROOM
 
 
 def groups(rows: list[int]) -> list[list[int]]:

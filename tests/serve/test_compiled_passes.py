@@ -13,6 +13,7 @@ from minilade import LLM
 from minilade.decoding import GenerationSettings, make_strategy
 from minilade.masks import interleaved_step
 from minilade.sampling import SamplingParams
+from minilade.serve import compiled_pass
 from minilade.serve.batched import ForwardCall, batched_forward, prepare_call, runs_compiled
 from minilade.serve.compiled_pass import GROUP, SharedPasses, groups
 from minilade.serve.engine import Engine, Job
@@ -103,6 +104,16 @@ def test_a_graph_that_refuses_a_pass_leaves_its_calls_to_their_own_steps(llm, mo
         want = [model(c.tokens, c.input_pos, c.cache) for c in calls[1]]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert "refuses a pass" in capsys.readouterr().err and kind in passes.refused
+
+
+def test_a_context_too_short_for_the_probes_leaves_compiled_calls_one_after_another(llm, monkeypatch, capsys):
+    """Graphs of groups of GROUP calls are traced from probe calls over prompts of unequal lengths; a model whose
+    context cannot hold them gets no shared compiled passes, with a line saying why (here: groups of 8 calls against
+    the tiny model's 512 positions)."""
+    monkeypatch.setattr(compiled_pass, "GROUP", 8)
+    assert compiled_pass.probe_positions(8, 3) > llm.model.config.max_seq_len
+    assert SharedPasses.checked(llm.model) is None
+    assert "cannot hold the probe calls" in capsys.readouterr().err
 
 
 def test_a_pass_groups_calls_of_one_kind():
