@@ -1,46 +1,51 @@
-"""The steps of several generations through one compiled pass, each call with the bits of its own compiled step.
+"""The steps of several generations through shared compiled passes, each call with the bits of its own compiled step.
 
 A model with compiled steps (compiled.py) runs each decoding step as one graph. Served together, the steps of K
-generations could run one after another, each its own graph; `SharedPasses` runs them through
-compiled.pass_layer_step instead, one graph a layer that reads the layer's weights once for the rows of every call
-and has each call attend over its own cache. Measured on the demo model (w7a8, 2 cores, outside the repository):
-two one-row calls 13.8 ms against 15.4 one after another, four 20-21 against 32.5, eight 39 against 70; four of 4
-rows 35 against 51. Each call's own attention bounds the gain.
+generations could run one after another, each its own graph; `SharedPasses` runs them in shared passes instead:
 
-A graph serves one kind of group: so many calls, all one-row or all wider (inductor specialises a size of 1, so a
-one-row call and a wider one take different code). A pass's calls go in groups of one kind of at most GROUP calls
-(`groups`); a group of one is the call's own step. Each kind is compiled once per machine when first needed (some
-10-25 s for the demo model on 2 cores, while every request waits) and kept beside the steps' graphs
-(saved_graphs.SavedGraphs); the kinds kept are loaded when the engine starts. A kind is traced from probe calls whose
-every size differs from call to call, not from the pass at hand: traced from calls of equal sizes, a graph would
-demand them equal ever after.
+- one-row calls (plain decoding, and auto between drafts), the most of a server's: one pass over a pool of their
+  caches (cache_pool.py, pool_step.py), in which each layer runs every call's row through one graph, attention
+  included;
+- wider calls (drafted steps): groups of at most GROUP calls, each group one compiled.pass_layer_step a layer that
+  reads the layer's weights once for all and has each call attend over its own cache with its own layout. Measured
+  on the demo model (w7a8, 2 cores, outside the repository): two 4-row calls 35 ms against 51 one after another.
+
+A graph serves one kind of pass: the pool's, or a group of so many wider calls. Each kind is compiled once per
+machine (some 10-25 s for the demo model on 2 cores) and kept beside the steps' graphs (saved_graphs.SavedGraphs);
+the pool's and groups of two are compiled when the engine starts (by its check), larger groups when first needed,
+and the kinds kept are loaded when the engine starts. A kind is traced from probe calls whose every size differs
+from call to call, not from the pass at hand: traced from calls of equal sizes, a graph would demand them equal
+ever after.
 
 Each call's rows get what its step alone gives them: the same operations row by row, the same weight matmuls
-(row-count invariant: the load-time check) and its own attention. That is a claim about the compiler's code, so
-`SharedPasses.checked` runs passes of two one-row and of two wider probe calls against each call alone, bit for bit,
-and the engine shares compiled passes only where they hold.
+(row-count invariant: the load-time check) and the same sums in its attention. That is a claim about the compiler's
+code, so `SharedPasses.checked` runs a pool pass of three one-row probe calls and a group of two wider ones against
+each call alone, bit for bit, and the engine shares compiled passes only where they hold.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 import torch
 
 from ..compiled import CompiledSteps, mark_pass_sizes, pass_layer_step
 from ..decoding.step_costs import cost_key
 from ..errors import one_line
+from ..kv_cache import KVCache
 from ..masks import interleaved_step
 from ..model import Transformer
 from ..saved_graphs import SavedGraphs, modes_kind
 from .batched import ForwardCall, one_after_another
+from .cache_pool import CachePool
 
-GROUP = 4  # calls in a group at most: more a group, more kinds of graph to compile (module docstring)
+GROUP = 4  # wider calls in a group at most: more a group, more kinds of graph to compile (module docstring)
 
 
 class SharedPasses:
-    """Runs the compiled calls of a pass in groups of one kind (module docstring), for a model whose steps are
-    compiled graphs kept in a folder (CompiledSteps with graphs)."""
+    """Runs the compiled calls of a pass in shared passes (module docstring), for a model whose steps are compiled
+    graphs kept in a folder (CompiledSteps with graphs)."""
 
     def __init__(self, model: Transformer) -> None:
         runner = model.step_runner
@@ -49,13 +54,14 @@ class SharedPasses:
         self.runner = runner
         self.graphs = SavedGraphs(runner.graphs, f"{cost_key(model)}|pass", traced=pass_layer_step,
                                   mark=mark_pass_sizes)
-        self.refused: set[str] = set()  # kinds whose graph refused a pass (run_group)
+        self.pool = CachePool(model)
+        self.refused: set[str] = set()  # kinds whose graph refused a pass (refusing)
 
     @classmethod
     def checked(cls, model: Transformer) -> SharedPasses | None:
-        """SharedPasses for the model where passes of two one-row and of two wider probe calls give each call its own
-        step's logits and cache rows bit for bit, else None (with a line saying so); None at once where the model's
-        steps are not compiled graphs kept in a folder."""
+        """SharedPasses for the model where a pool pass of three one-row probe calls and a group of two wider ones
+        give each call its own step's logits and cache rows bit for bit, else None (with a line saying so); None
+        at once where the model's steps are not compiled graphs kept in a folder."""
         runner = model.step_runner
         if not isinstance(runner, CompiledSteps) or runner.graphs is None:
             return None
@@ -68,14 +74,24 @@ class SharedPasses:
         with torch.inference_mode():  # the mode of the engine's passes, in which the graphs are kept
             for kind in passes.kinds():  # those a process before compiled, loaded now rather than amid a pass
                 passes.graphs.load(kind)
+            passes.pool.graphs.load(passes.pool.kind())
         for rows in (1, 3):
-            together, alone = probe_calls(model, 2, rows), probe_calls(model, 2, rows)
+            n = 3 if rows == 1 else 2
+            together, alone = probe_calls(model, n, rows), probe_calls(model, n, rows)
             with torch.inference_mode():
-                got = passes.run_group(model, together)
+                if rows == 1:  # in slots 0, 2 and 3 of the pool: slot 1 held by a cache without a call in the pass
+                    hole = probe_calls(model, 1, 1)[0].cache
+                    passes.pool.place([together[0].cache, hole])
+                    got = passes.pool.run(together)
+                    for cache in [hole] + [call.cache for call in together]:
+                        passes.pool.release(cache)
+                else:
+                    got = passes.run_group(model, together)
                 want = [model(c.tokens, c.input_pos, c.cache, c.mask) for c in alone]
-            caches = [(a.cache, b.cache) for a, b in zip(together, alone)]
+            written = [(a.cache, b.cache, a.cache.length + a.tokens.shape[1]) for a, b in zip(together, alone)]
             same = all(torch.equal(a, b) for a, b in zip(got, want)) and all(
-                torch.equal(a.k, b.k) and torch.equal(a.v, b.v) for a, b in caches)
+                torch.equal(a.k[:, :, :, :end], b.k[:, :, :, :end]) and
+                torch.equal(a.v[:, :, :, :end], b.v[:, :, :, :end]) for a, b, end in written)
             if not same:
                 print(f"minilade: served requests' compiled steps run one after another (a shared pass of "
                       f"{'one-row' if rows == 1 else 'wider'} calls did not give each its own step's logits)",
@@ -84,14 +100,13 @@ class SharedPasses:
         return passes
 
     @staticmethod
-    def kind(n: int, one_row: bool) -> str:
-        """The kind of graph that serves a group of n calls, one-row or wider, in the current autograd and inference
-        modes."""
-        return modes_kind(f"passes of {n} {'one-row' if one_row else 'wider'} calls")
+    def kind(n: int) -> str:
+        """The kind of graph that serves a group of n wider calls, in the current autograd and inference modes."""
+        return modes_kind(f"passes of {n} wider calls")
 
     def kinds(self) -> list[str]:
-        """Every kind of graph a pass may need (groups of 2 to GROUP calls)."""
-        return [self.kind(n, one_row) for n in range(2, GROUP + 1) for one_row in (True, False)]
+        """Every kind of graph a group of wider calls may need (2 to GROUP calls)."""
+        return [self.kind(n) for n in range(2, GROUP + 1)]
 
     def __call__(self, model: Transformer, calls: list[ForwardCall]) -> list[torch.Tensor]:
         """Logits of each call, (1, R_i, V), as its own compiled step gives them: one pass a group (groups)."""
@@ -102,19 +117,38 @@ class SharedPasses:
         return logits
 
     def run_group(self, model: Transformer, calls: list[ForwardCall]) -> list[torch.Tensor]:
-        """One pass over calls of one kind (all one-row or all wider), their caches holding rows."""
+        """One pass over calls of one kind, their caches holding rows: one-row calls over the pool, wider ones as
+        a group of their own (one alone: its own step)."""
         one_row = calls[0].tokens.shape[1] == 1
-        kind = self.kind(len(calls), one_row)
+        kind = self.pool.kind() if one_row else self.kind(len(calls))
         if len(calls) == 1 or kind in self.refused:
             return one_after_another(model, calls)
+        if one_row:
+            return self.refusing(kind, model, calls, lambda: self.pool.run(calls))
         if kind not in self.graphs.graphs:  # compiled (or loaded) from probe calls of unequal sizes
-            x, cos, sin, steps = self.pass_inputs(model, probe_calls(model, len(calls), 1 if one_row else 3))
+            x, cos, sin, steps = self.pass_inputs(model, probe_calls(model, len(calls), 3))
             self.graphs.graph(kind, layer_args(model.layers[0], x, cos, sin, steps, 0))
         graph = self.graphs.graphs[kind]
-        x, cos, sin, steps = self.pass_inputs(model, calls)
-        try:
+
+        def run() -> list[torch.Tensor]:
+            x, cos, sin, steps = self.pass_inputs(model, calls)
             for layer, block in enumerate(model.layers):
                 x = graph(*layer_args(block, x, cos, sin, steps, layer))
+            rows, start = [], 0
+            for c in calls:
+                T = c.tokens.shape[1]
+                rows.append(start + (c.logits_rows if c.logits_rows is not None else torch.arange(T, device=x.device)))
+                start += T
+            logits = model.output(model.norm(x[:, torch.cat(rows)]))
+            return list(logits.split([r.numel() for r in rows], dim=1))
+        return self.refusing(kind, model, calls, run)
+
+    def refusing(self, kind: str, model: Transformer, calls: list[ForwardCall],
+                 run: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        """run(), or where the kind's graph refuses the pass (its guards), the calls one after another, with a
+        line, and every later pass of that kind too."""
+        try:
+            return run()
         except RuntimeError as error:
             if "GuardManager check failed" not in str(error):
                 raise
@@ -124,13 +158,10 @@ class SharedPasses:
                   f"calls run one after another from now on", file=sys.stderr)
             self.refused.add(kind)
             return one_after_another(model, calls)
-        rows, start = [], 0
-        for c in calls:
-            T = c.tokens.shape[1]
-            rows.append(start + (c.logits_rows if c.logits_rows is not None else torch.arange(T, device=x.device)))
-            start += T
-        logits = model.output(model.norm(x[:, torch.cat(rows)]))
-        return list(logits.split([r.numel() for r in rows], dim=1))
+
+    def release(self, cache: KVCache) -> None:
+        """A finished generation's cache leaves the pool (cache_pool.CachePool.release)."""
+        self.pool.release(cache)
 
     def pass_inputs(self, model: Transformer, calls: list[ForwardCall]) -> tuple:
         """x, cos, sin of all the calls' rows concatenated, and each call's step inputs (CompiledSteps.layers_inputs:
@@ -182,10 +213,8 @@ def probe_positions(n: int, rows: int) -> int:
 
 
 def groups(rows: list[int]) -> list[list[int]]:
-    """Indices of calls of `rows` rows each, in the groups a pass runs them in: one-row calls, then wider ones, at
-    most GROUP a group."""
-    out = []
-    for one_row in (True, False):
-        kind = [i for i, T in enumerate(rows) if (T == 1) == one_row]
-        out += [kind[start:start + GROUP] for start in range(0, len(kind), GROUP)]
-    return out
+    """Indices of calls of `rows` rows each, in the passes that run them: every one-row call in one (the pool's),
+    then the wider ones, at most GROUP a pass."""
+    one_row = [i for i, T in enumerate(rows) if T == 1]
+    wider = [i for i, T in enumerate(rows) if T > 1]
+    return ([one_row] if one_row else []) + [wider[start:start + GROUP] for start in range(0, len(wider), GROUP)]

@@ -103,6 +103,7 @@ class Slot:
     thread: threading.Thread | None = None
     call: PendingCall | None = None
     hit: Hit | None = None  # kept rows its prefill starts from
+    caches: list[KVCache] = field(default_factory=list)  # the caches its generation made (ModelProxy.new_cache)
 
 
 class ModelProxy:
@@ -118,8 +119,10 @@ class ModelProxy:
                   ) -> KVCache:
         """As Transformer.new_cache; the rotary tables already cover the context (Engine.__init__)."""
         cache_type = cache_type or self.attention_kernel.cache_type
-        return cache_type(self.config, capacity or self.config.max_seq_len, batch_size=batch_size, dtype=self.dtype,
-                          device=self.device)
+        cache = cache_type(self.config, capacity or self.config.max_seq_len, batch_size=batch_size, dtype=self.dtype,
+                           device=self.device)
+        self._slot.caches.append(cache)  # for the engine to release when the generation ends
+        return cache
 
     def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
                  mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -247,6 +250,9 @@ class Engine:
             job.deliver("error", error)
         finally:
             slot.member.leave()
+            if self.shared_passes is not None:
+                for cache in slot.caches:  # its place in the cache pool, for the next generation
+                    self.shared_passes.release(cache)
             with self._cond:
                 self._running.remove(slot)
                 self._cond.notify_all()

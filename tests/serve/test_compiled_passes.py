@@ -15,6 +15,7 @@ from minilade.masks import interleaved_step
 from minilade.sampling import SamplingParams
 from minilade.serve import compiled_pass
 from minilade.serve.batched import ForwardCall, batched_forward, prepare_call, runs_compiled
+from minilade.serve.cache_pool import CachePool
 from minilade.serve.compiled_pass import GROUP, SharedPasses, groups
 from minilade.serve.engine import Engine, Job
 from minilade.serve.prefill import PrefixCache
@@ -62,7 +63,8 @@ def test_a_pass_gives_each_call_the_logits_of_the_model_alone(llm):
 def test_a_shared_compiled_pass_gives_each_call_its_own_steps_logits(llm):
     """SharedPasses: the engine's check holds on this model, and a pass of three one-row calls and two
     lookahead-shaped ones over caches of different lengths gives each call bitwise what its own compiled step gives
-    it, and writes the same rows into its cache."""
+    it, and writes the same rows into its cache (the rows past them are scratch: in the pool, what an earlier
+    generation left there)."""
     model = llm.model
     passes = SharedPasses.checked(model)
     assert passes is not None
@@ -78,32 +80,96 @@ def test_a_shared_compiled_pass_gives_each_call_its_own_steps_logits(llm):
         together = passes(model, calls[0])
         alone = [model(c.tokens, c.input_pos, c.cache, c.mask) for c in calls[1]]
     assert all(torch.equal(a, b) for a, b in zip(together, alone))
-    assert all(torch.equal(a.cache.k, b.cache.k) and torch.equal(a.cache.v, b.cache.v)
-               for a, b in zip(*calls))
+    ends = [c.cache.length + c.tokens.shape[1] for c in calls[0]]
+    assert all(torch.equal(a.cache.k[:, :, :, :end], b.cache.k[:, :, :, :end]) and
+               torch.equal(a.cache.v[:, :, :, :end], b.cache.v[:, :, :, :end]) for a, b, end in zip(*calls, ends))
+    for call in calls[0]:
+        passes.release(call.cache)
 
 
-def test_a_graph_that_refuses_a_pass_leaves_its_calls_to_their_own_steps(llm, monkeypatch, capsys):
-    """Where a kind's graph refuses a pass (its guards), the group's calls run one after another with their own
-    steps' logits, with a line saying so, and later groups of that kind go that way at once."""
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_graph_that_refuses_a_pass_leaves_its_calls_to_their_own_steps(llm, monkeypatch, capsys, rows):
+    """Where a kind's graph refuses a pass (its guards), the pass's calls run one after another with their own
+    steps' logits, with a line saying so, and later passes of that kind go that way at once: the pool's graph (one-row
+    calls) and a group's (wider calls)."""
     model = llm.model
     passes = SharedPasses.checked(model)
-    kind = next(k for k in passes.graphs.graphs if k.startswith("passes of 2 one-row"))
+    with torch.inference_mode():  # the mode the engine's passes run in, which a kind names
+        graphs, kind = (passes.pool.graphs, passes.pool.kind()) if rows == 1 else (passes.graphs, passes.kind(2))
 
     def refusing(*args):
         raise RuntimeError("GuardManager check failed, reason: a test's")
-    monkeypatch.setitem(passes.graphs.graphs, kind, refusing)
+    monkeypatch.setitem(graphs.graphs, kind, refusing)
     with torch.inference_mode():
         calls = [[], []]
         for i, past in enumerate((6, 30)):
+            positions, mask = interleaved_step(past, rows, lanes=2) if rows > 1 else (torch.tensor([past]), None)
             for copy in calls:
                 cache = model.new_cache(64)
                 model(torch.arange(3, 3 + past)[None] % 40, torch.arange(past), cache)
                 cache.commit(past)
-                copy.append(ForwardCall(torch.tensor([[5 + i]]), torch.tensor([past]), cache))
+                copy.append(ForwardCall(torch.arange(rows)[None] + 5 + i, positions, cache, mask))
         got = passes.run_group(model, calls[0])
-        want = [model(c.tokens, c.input_pos, c.cache) for c in calls[1]]
+        want = [model(c.tokens, c.input_pos, c.cache, c.mask) for c in calls[1]]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert "refuses a pass" in capsys.readouterr().err and kind in passes.refused
+
+
+def test_pooled_generations_decode_as_alone_while_the_pool_grows_and_slots_change_hands(llm):
+    """Greedy one-row decoding of generations whose caches the pool adopts: a pass of two, then a third whose
+    capacity makes the buffer grow (the held caches moved into the new one), then the first leaves and a fourth
+    takes its slot. Every pass gives each call the logits of its own compiled step over a cache of its own."""
+    model = llm.model
+    assert SharedPasses.checked(model) is not None  # the pool's graph compiled and checked
+    pool = CachePool(model)
+    prompts = {"a": ([3, 4, 5], 40), "b": (list(range(6, 30)), 64), "c": (list(range(10, 17)), 300),
+               "d": ([20, 21, 22, 23, 24], 80)}
+    runs = {}  # name -> (pooled cache, own cache, last token)
+    with torch.inference_mode():
+        def start(name):
+            ids, capacity = prompts[name]
+            caches = []
+            for _ in range(2):
+                cache = model.new_cache(capacity)
+                logits = model(torch.tensor([ids]), torch.arange(len(ids)), cache)
+                cache.commit(len(ids))
+                caches.append(cache)
+            runs[name] = [*caches, int(logits[0, -1].argmax())]
+
+        def step(names):
+            calls = [ForwardCall(torch.tensor([[runs[n][2]]]), torch.tensor([runs[n][0].length]), runs[n][0])
+                     for n in names]
+            got = pool.run(calls)
+            for name, logits in zip(names, got):
+                pooled, own, token = runs[name]
+                alone = model(torch.tensor([[token]]), torch.tensor([own.length]), own)
+                assert torch.equal(logits, alone), name
+                pooled.commit(1)
+                own.commit(1)
+                runs[name][2] = int(alone[0, -1].argmax())
+
+        start("a"), start("b")
+        for _ in range(3):
+            step(["a", "b"])
+        before = pool.buffer.k.shape
+        start("c")
+        for _ in range(3):
+            step(["b", "a", "c"])
+        assert pool.buffer.k.shape[1] > before[1] and pool.buffer.k.shape[3] > before[3]  # grown
+        def same_rows(name):
+            pooled, own, _ = runs[name]
+            end = own.length
+            return torch.equal(pooled.k[:, :, :, :end], own.k[:, :, :, :end]) and torch.equal(
+                pooled.v[:, :, :, :end], own.v[:, :, :, :end])
+
+        assert same_rows("a")
+        slot_a = pool.slot_of(runs["a"][0])
+        pool.release(runs["a"][0])
+        start("d")
+        for _ in range(3):
+            step(["c", "d", "b"])
+        assert pool.slot_of(runs["d"][0]) == slot_a
+        assert all(same_rows(name) for name in "bcd")
 
 
 def test_a_context_too_short_for_the_probes_leaves_compiled_calls_one_after_another(llm, monkeypatch, capsys):
@@ -117,8 +183,9 @@ def test_a_context_too_short_for_the_probes_leaves_compiled_calls_one_after_anot
 
 
 def test_a_pass_groups_calls_of_one_kind():
-    assert groups([1, 4, 1, 1, 3, 1, 1, 1]) == [[0, 2, 3, 5], [6, 7], [1, 4]]
-    assert all(len(group) <= GROUP for group in groups([1] * 9))
+    """Every one-row call in the pool's pass, wider calls in groups of at most GROUP."""
+    assert groups([1, 4, 1, 1, 3, 1, 1, 1]) == [[0, 2, 3, 5, 6, 7], [1, 4]]
+    assert groups([2] * 9) == [list(range(GROUP)), list(range(GROUP, 2 * GROUP)), [8]]
 
 
 def test_concurrent_answers_equal_alone_through_compiled_steps(llm):
