@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -56,8 +56,9 @@ RECYCLE_WIDTHS = (None, 2, 1, 1)  # children per node at each depth of the recyc
 class SharedPasses(Protocol):
     """The forward passes a generation shares with others (a server's engine): what they feed, and what it will."""
 
-    def others(self) -> tuple[int, float]:
-        """(rows, tokens they are expected to emit) the other generations feed to a pass."""
+    def others(self, costs: StepCosts) -> tuple[Callable[[int], float], float]:
+        """The next pass as the other generations feed it: its seconds as a function of the rows this generation
+        feeds (one generation's step alone costing `costs`), and the tokens the others' rows are expected to emit."""
 
     def plan(self, rows: int, expected: float) -> None:
         """This generation's next step feeds `rows` rows and is expected to emit `expected` tokens."""
@@ -76,7 +77,7 @@ class Auto(WindowAndPool, Strategy):
     history: earlier answers to draft from as well (suffix_draft tokens, suffix_branches drafts); each generation
     adds its own new tokens to it when it ends, unless it is frozen. Shared by every generation given it.
     shared: the passes this generation shares with others, if any: its steps are then sized for the whole pass
-    (best_plan's `others`). Only speed depends on it: a greedy answer is the same whatever the plans.
+    (best_plan's costs and other_tokens). Only speed depends on it: a greedy answer is the same whatever the plans.
     """
 
     suffix_draft: int = field(default=16, metadata=option(
@@ -132,26 +133,27 @@ class Auto(WindowAndPool, Strategy):
                 f"{self.suffix_draft}{history}, <= {self.budget} rows)")
 
 
-def best_plan(chances: list[float], costs: StepCosts, budget: int, window_rows: int | None = None,
-              window_gain: float = 0.0, others: tuple[int, float] = (0, 0.0)) -> tuple[bool, int, float]:
+def best_plan(chances: list[float], costs: Callable[[int], float], budget: int, window_rows: int | None = None,
+              window_gain: float = 0.0, other_tokens: float = 0.0) -> tuple[bool, int, float]:
     """(with the window, b, expected tokens): feed x and the first b nodes of `chances` (ranked, ancestors first),
     and the window of window_rows rows (x included) too if that pays, so that expected tokens per second, under
-    `costs`, are highest and no step feeds more than `budget` rows. b = 0 without the window is a plain step.
-    The expected tokens of a step are 1 + the chances fed (+ window_gain with the window).
+    `costs` (seconds of the step as a function of its rows), are highest and no step feeds more than `budget` rows.
+    b = 0 without the window is a plain step. The expected tokens of a step are 1 + the chances fed (+ window_gain
+    with the window).
 
-    others: (rows, useful tokens) that other generations feed to the same forward pass (a server's shared step;
-    (0, 0) alone). The step's cost is then that of all its rows and its worth all their tokens, so a draft row
-    pays only if it adds more to the pass's tokens per second than it slows every generation in it."""
-    other_rows, other_tokens = others
+    In a forward pass shared with other generations (a server's), `costs` is the whole pass's, as a function of
+    this generation's rows (SharedPasses.others), and other_tokens the tokens the others' rows are expected to emit:
+    the pass's worth is all their tokens, so a draft row pays only if it adds more to the pass's tokens per second
+    than it slows every generation in it."""
     expected = [1.0]
     for c in chances:
         expected.append(expected[-1] + c)
-    best, score = (False, 0, 1.0), (other_tokens + 1.0) / costs(other_rows + 1)
+    best, score = (False, 0, 1.0), (other_tokens + 1.0) / costs(1)
     bases = [(False, 1)] + ([(True, window_rows)] if window_rows is not None else [])
     for with_window, base in bases:
         for b in range(min(len(chances), budget - base) + 1):
             gain = expected[b] + (window_gain if with_window else 0.0)
-            rate = (other_tokens + gain) / costs(other_rows + base + b)
+            rate = (other_tokens + gain) / costs(base + b)
             if rate > score:
                 best, score = (with_window, b, gain), rate
     return best
@@ -264,9 +266,9 @@ class AutoDecoder(Decoder):
         ranked = tree.ranked()
         window_rows = self.window_shape.n_base if window_fits(self.ctx, self.layout) else None
         window_gain = self.window_credit / self.window_steps
-        others = self.shared.others() if self.shared is not None else (0, 0.0)
-        with_window, b, expected = best_plan([tree.chance[i] for i in ranked], self.costs, self.budget, window_rows,
-                                             window_gain, others)
+        costs, other_tokens = self.shared.others(self.costs) if self.shared is not None else (self.costs, 0.0)
+        with_window, b, expected = best_plan([tree.chance[i] for i in ranked], costs, self.budget, window_rows,
+                                             window_gain, other_tokens)
         self.window_credit *= self.DECAY
         self.window_steps *= self.DECAY
         if b or with_window:

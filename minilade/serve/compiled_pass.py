@@ -26,6 +26,7 @@ each call alone, bit for bit, and the engine shares compiled passes only where t
 from __future__ import annotations
 
 import sys
+import time
 from typing import Callable
 
 import torch
@@ -56,6 +57,8 @@ class SharedPasses:
                                   mark=mark_pass_sizes)
         self.pool = CachePool(model)
         self.refused: set[str] = set()  # kinds whose graph refused a pass (refusing)
+        # A pool pass of k >= 2 one-row calls costs (base + per_call * k) one-row steps (measure_pool: checked).
+        self.pool_costs = (1.0, 0.5)
 
     @classmethod
     def checked(cls, model: Transformer) -> SharedPasses | None:
@@ -97,7 +100,19 @@ class SharedPasses:
                       f"{'one-row' if rows == 1 else 'wider'} calls did not give each its own step's logits)",
                       file=sys.stderr)
                 return None
+        passes.pool_costs = measure_pool(model, passes.pool)
         return passes
+
+    def pass_cost(self, other_rows: list[int], rows: int, costs: Callable[[int], float]) -> float:
+        """planner.PassCost: seconds of a pass whose generations feed other_rows and rows, one call's step alone
+        costing costs(rows): the pool's pass (pool_costs) over a slot for every generation, since a generation
+        whose call is wider keeps its slot and goes along with a dummy row, then each wider call at about its own
+        step's cost (a group of them reads the weights once: a little less). A lone one-row call is its own step."""
+        generations = len(other_rows) + 1
+        if generations == 1:
+            return costs(rows)
+        base, per_call = self.pool_costs
+        return costs(1) * (base + per_call * generations) + sum(costs(r) for r in [*other_rows, rows] if r > 1)
 
     @staticmethod
     def kind(n: int) -> str:
@@ -170,6 +185,28 @@ class SharedPasses:
                  for c in calls]
         x, cos, sin = (torch.cat([step[i] for step in steps], dim=1) for i in (1, 2, 3))
         return x, cos, sin, steps
+
+
+def measure_pool(model: Transformer, pool: CachePool, repeats: int = 5) -> tuple[float, float]:
+    """(base, per_call): a pool pass of k one-row calls costs (base + per_call * k) one-row steps, from the median
+    times of passes of two and four probe calls and of one call's step alone, measured round-robin after a warm-up
+    round."""
+    calls = probe_calls(model, 4, 1)
+    runs = {"alone": lambda: model(calls[0].tokens, calls[0].input_pos, calls[0].cache),
+            "two": lambda: pool.run(calls[:2]), "four": lambda: pool.run(calls)}
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    with torch.inference_mode():
+        for repeat in range(repeats + 1):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                if repeat:
+                    seconds[name].append(time.perf_counter() - start)
+    for call in calls:
+        pool.release(call.cache)
+    one, two, four = (sorted(seconds[name])[repeats // 2] for name in runs)
+    per_call = max(0.0, (four - two) / 2 / one)  # not below 0 where a noisy machine says so
+    return max(0.0, two / one - 2 * per_call), per_call
 
 
 def layer_args(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, steps: list[tuple],

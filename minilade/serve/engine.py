@@ -46,7 +46,7 @@ from .batched import ForwardCall, PreparedCall, batched_forward, prepare_call, r
 from .compiled_pass import SharedPasses, groups
 from .errors import busy, unavailable
 from .metrics import Metrics
-from .planner import PassMember, PassPlans
+from .planner import PassMember, PassPlans, rows_together
 from .prefill import PREFILL_ALONE, PREFILL_CHUNK, Hit, PrefixCache, is_prefill, prefill_calls, splits_exactly
 
 log = logging.getLogger("minilade.serve")
@@ -151,10 +151,11 @@ class Engine:
         prefill_chunk: prompt rows a new request feeds each pass while others run (they wait at most that pass)."""
         self.llm, self.max_concurrent, self.queue_size, self.prefixes = llm, max_concurrent, queue_size, prefixes
         # Where the model's steps are compiled, its decoding calls run in passes of their own (compiled_pass.py,
-        # where checked exact, else one after another), whose cost is not a step's of as many rows: greedy auto
+        # where checked exact), whose cost SharedPasses.pass_cost says; else one after another, and greedy auto
         # generations plan as alone.
-        self.plan_together = plan_together and llm.model.step_runner is None
         self.shared_passes = SharedPasses.checked(llm.model)
+        self.plan_together = plan_together and (llm.model.step_runner is None or self.shared_passes is not None)
+        self.pass_cost = self.shared_passes.pass_cost if self.shared_passes is not None else rows_together
         self.history, self.plans = history, PassPlans()
         self.prefill_chunk = prefill_chunk
         self.split_prefills = splits_exactly(llm.model)  # from kept rows and in chunks (prefill.py)
@@ -296,7 +297,7 @@ class Engine:
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_concurrent and not self._stopping:
-            slot = Slot(self._waiting.popleft(), PassMember(self.plans))
+            slot = Slot(self._waiting.popleft(), PassMember(self.plans, self.pass_cost))
             slot.thread = threading.Thread(target=self._work, args=(slot,), name="minilade-request", daemon=True)
             self._running.append(slot)
             slot.thread.start()

@@ -2,15 +2,18 @@
 
 Alone, auto feeds a draft row when the tokens it is expected to add pay for what it adds to the step's cost. In a
 shared pass the step's cost is that of all its rows, and every generation in it waits for them; so a generation
-plans against the pass (decoding/auto.py: best_plan's `others`): it feeds the drafts that raise the whole pass's
-expected tokens per second,
+plans against the pass (decoding/auto.py: best_plan's costs and other_tokens): it feeds the drafts that raise the
+whole pass's expected tokens per second,
 
-    (tokens of the others + 1 + chances fed) / cost(rows of the others + 1 + nodes fed),
+    (tokens of the others + 1 + chances fed) / cost of the pass (what the others feed, 1 + nodes fed),
 
-down to none (plain batched decoding) when rows stop paying. What the others feed is what they fed or planned
-last: an auto generation tells its plan before each step (rows, expected tokens); for any other call (a plain step,
-a lookahead step, a prefill chunk) the engine records its rows, each counted as one token of work. The plans
-settle together as each generation answers the others' latest.
+down to none (plain batched decoding) when rows stop paying. What a pass costs depends on how it runs: where every
+row goes through the layers together (eager, batched.py), it is one step's cost of all their rows
+(`rows_together`); where the model's steps are compiled (compiled_pass.py), one-row calls share the pool's pass and
+each wider call costs about its own step (compiled_pass.SharedPasses.pass_cost). What the others feed is what they
+fed or planned last: an auto generation tells its plan before each step (rows, expected tokens); for any other call
+(a plain step, a lookahead step, a prefill chunk) the engine records its rows, each counted as one token of work.
+The plans settle together as each generation answers the others' latest.
 
 Only greedy generations plan for the pass: their answers do not depend on their plans. A sampled generation's
 draws do (verification draws more or fewer numbers), so it plans as it would alone, to keep its seeded answer.
@@ -19,6 +22,9 @@ draws do (verification draws more or fewer numbers), so it plans as it would alo
 from __future__ import annotations
 
 import threading
+from typing import Callable
+
+PassCost = Callable[[list[int], int, Callable[[int], float]], float]
 
 
 class PassPlans:
@@ -36,22 +42,31 @@ class PassPlans:
         with self._lock:
             self._fed.pop(member, None)
 
-    def others(self, member: object) -> tuple[int, float]:
-        """(rows, expected tokens) fed by every generation but `member`."""
+    def others(self, member: object) -> tuple[list[int], float]:
+        """The rows of each generation but `member`, and the tokens they are expected to emit in all."""
         with self._lock:
             fed = [value for key, value in self._fed.items() if key is not member]
-        return sum(rows for rows, _ in fed), sum(tokens for _, tokens in fed)
+        return [rows for rows, _ in fed], sum(tokens for _, tokens in fed)
+
+
+def rows_together(other_rows: list[int], rows: int, costs: Callable[[int], float]) -> float:
+    """Seconds of a pass in which every row goes through the layers together: one step of all the rows."""
+    return costs(sum(other_rows) + rows)
 
 
 class PassMember:
     """One generation's part in the shared passes (auto's SharedPasses). Until the generation plans its own steps
     (its prefill, or a strategy that does not plan), the engine records each of its calls (PassPlans.record)."""
 
-    def __init__(self, plans: PassPlans) -> None:
-        self.plans, self.planning = plans, False
+    def __init__(self, plans: PassPlans, pass_cost: PassCost = rows_together) -> None:
+        """pass_cost(rows of each other generation, rows of this one, one generation's step costs): seconds of
+        the pass."""
+        self.plans, self.pass_cost, self.planning = plans, pass_cost, False
 
-    def others(self) -> tuple[int, float]:
-        return self.plans.others(self)
+    def others(self, costs: Callable[[int], float]) -> tuple[Callable[[int], float], float]:
+        """auto.SharedPasses.others: the pass's seconds by this generation's rows, and the others' tokens."""
+        other_rows, tokens = self.plans.others(self)
+        return (lambda rows: self.pass_cost(other_rows, rows, costs)), tokens
 
     def plan(self, rows: int, expected: float) -> None:
         self.planning = True

@@ -295,20 +295,22 @@ def test_best_plan_for_a_shared_pass_weighs_every_row_in_it() -> None:
     none; where rows are free, a crowd changes nothing."""
     chances = [0.9, 0.8, 0.5, 0.1, 0.01]
     costs = costs_of(lambda T: 1.0 + 0.2 * T)
-    assert best_plan(chances, costs, budget=64, others=(0, 0.0))[:2] == (False, 3)  # as alone
-    assert best_plan(chances, costs, budget=64, others=(7, 7.0))[:2] == (False, 2)
-    assert best_plan(chances, costs, budget=64, others=(60, 60.0))[:2] == (False, 0)
-    assert best_plan(chances, costs_of(lambda T: 1.0), budget=64, others=(60, 60.0))[:2] == (False, 5)
+    assert best_plan(chances, costs, budget=64, other_tokens=0.0)[:2] == (False, 3)  # as alone
+    assert best_plan(chances, lambda rows: costs(7 + rows), budget=64, other_tokens=7.0)[:2] == (False, 2)
+    assert best_plan(chances, lambda rows: costs(60 + rows), budget=64, other_tokens=60.0)[:2] == (False, 0)
+    assert best_plan(chances, lambda rows: 1.0, budget=64, other_tokens=60.0)[:2] == (False, 5)
 
 
 class Crowd:
-    """Passes shared with `others` (rows, tokens) fed by other generations; keeps the rows each plan told."""
+    """Passes shared with other generations feeding (rows, tokens), all rows in one step; keeps the rows each plan
+    told."""
 
     def __init__(self, others: tuple[int, float]) -> None:
         self.fed, self.plans = others, []
 
-    def others(self) -> tuple[int, float]:
-        return self.fed
+    def others(self, costs):
+        rows, tokens = self.fed
+        return (lambda mine: costs(rows + mine)), tokens
 
     def plan(self, rows: int, expected: float) -> None:
         self.plans.append(rows)

@@ -182,6 +182,20 @@ def test_a_context_too_short_for_the_probes_leaves_compiled_calls_one_after_anot
     assert "cannot hold the probe calls" in capsys.readouterr().err
 
 
+def test_the_cost_of_a_compiled_pass_is_the_pools_and_each_wider_calls(llm):
+    """Planning a compiled pass: every generation costs a slot of the pool's pass (measured at the check, in one-row
+    steps: a pass of four dearer than one of two, cheaper than four steps), and each wider call about its own step
+    on top; a generation alone costs its own step."""
+    passes = SharedPasses.checked(llm.model)
+    base, per_call = passes.pool_costs
+    assert 0 < per_call and base + 4 * per_call < 4
+    passes.pool_costs = (0.5, 0.25)
+    step = {1: 2.0, 4: 3.0, 8: 5.0}.__getitem__  # seconds of one call's step by rows
+    assert passes.pass_cost([], 1, step) == 2.0 and passes.pass_cost([], 4, step) == 3.0
+    assert passes.pass_cost([1, 1, 8], 1, step) == 2.0 * (0.5 + 0.25 * 4) + 5.0
+    assert passes.pass_cost([1, 1, 8], 4, step) == 2.0 * (0.5 + 0.25 * 4) + 5.0 + 3.0
+
+
 def test_a_pass_groups_calls_of_one_kind():
     """Every one-row call in the pool's pass, wider calls in groups of at most GROUP."""
     assert groups([1, 4, 1, 1, 3, 1, 1, 1]) == [[0, 2, 3, 5, 6, 7], [1, 4]]
