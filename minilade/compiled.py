@@ -272,9 +272,7 @@ class CompiledSteps:
         rotary tables, the cache slots they go to, each layer's cache views and the step's layout)."""
         T, past = tokens.shape[1], cache.length
         cos, sin = model.rotary(input_pos)
-        visible, reach = model.step_masks(mask, past, T, input_pos)
-        layout = key_layout(visible, past, self.groups, model.dtype, counted=reach)
-        step_layout = graph_layout(layout)
+        step_layout = self.step_layout(model, input_pos, past, mask)
         slots = torch.arange(past, past + T, device=tokens.device)
         # Strides made from the sizes alone: a size-1 dimension's stride is whatever the view that made the tensor
         # left, and a saved graph guards on it (x.stride()[0] in a wide step's graph).
@@ -282,6 +280,14 @@ class CompiledSteps:
         cos, sin = (t.clone(memory_format=torch.contiguous_format) for t in (cos, sin))
         keys, values = self.layer_views(cache, step_layout[0].shape[-1])
         return model.layers, x, cos, sin, slots, keys, values, *step_layout
+
+
+    def step_layout(self, model: Transformer, input_pos: torch.Tensor, past: int, mask: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, ...]:
+        """graph_layout of a step of rows at input_pos (1, T) over `past` committed rows, with its mask (T, T) or
+        None (causal): the keys each row sees, as the eager exact kernel lays them out (invariance.key_layout)."""
+        visible, reach = model.step_masks(mask, past, input_pos.shape[-1], input_pos)
+        return graph_layout(key_layout(visible, past, self.groups, model.dtype, counted=reach))
 
 
 class SavedSteps(SavedGraphs):

@@ -17,9 +17,9 @@ import threading
 
 import torch
 
-from ..compiled import CompiledSteps, graph_layout
+from ..compiled import CompiledSteps
 from ..decoding.step_costs import cost_key
-from ..invariance import PaddedKVCache, key_layout
+from ..invariance import PaddedKVCache
 from ..kv_cache import KVCache
 from ..model import Transformer
 from ..pool_step import mark_pool_sizes, pool_layer_step, stack_layouts
@@ -42,7 +42,8 @@ class CachePool:
         self.layer_values: list[torch.Tensor] = []
         self.held: dict[int, KVCache] = {}  # slot -> the cache adopted there
         self.lock = threading.Lock()  # release comes from a worker's thread
-        self.dummy = self.one_row_layout(1)  # the layout of a slot without a call in the pass
+        # what a slot without a call in the pass computes: a one-row step over one committed row
+        self.dummy = runner.step_layout(model, torch.ones(1, 1, dtype=torch.long, device=model.device), 1, None)
 
     @staticmethod
     def kind() -> str:
@@ -102,13 +103,6 @@ class CachePool:
 
     # ---- passes ---------------------------------------------------------------------------------------------
 
-    def one_row_layout(self, past: int) -> tuple[torch.Tensor, ...]:
-        """graph_layout of a one-row step over `past` committed rows."""
-        model = self.model
-        position = torch.tensor([[past]], device=model.device)
-        visible, reach = model.step_masks(None, past, 1, position)
-        return graph_layout(key_layout(visible, past, self.runner.groups, model.dtype, counted=reach))
-
     def run(self, calls: list[ForwardCall]) -> list[torch.Tensor]:
         """Logits of each one-row call, (1, R_i, V), as its own compiled step gives them: one pass over the slots
         [0, last used) of the buffer, the calls' caches adopted first."""
@@ -116,21 +110,21 @@ class CachePool:
         slots = self.place([c.cache for c in calls])
         n = max(slots) + 1
         call_at = dict(zip(slots, calls))
-        ids = torch.zeros(n, 1, dtype=torch.long, device=model.device)
-        positions = torch.zeros(n, 1, dtype=torch.long, device=model.device)
+        ids, positions, writes = (torch.zeros(n, dtype=torch.long, device=model.device) for _ in range(3))
         layouts = [self.dummy] * n
         for b, call in call_at.items():
-            ids[b, 0], positions[b, 0] = call.tokens[0, 0], call.cache.length
-            layouts[b] = self.one_row_layout(call.cache.length)
+            position = call.input_pos.reshape(1, 1)
+            ids[b], positions[b], writes[b] = call.tokens[0, 0], position[0, 0], call.cache.length
+            layouts[b] = self.runner.step_layout(model, position, call.cache.length, call.mask)
         member = torch.zeros(n, device=model.device)
         member[slots] = 1
         layout = stack_layouts(layouts)
-        x = model.tok_embeddings(ids).to(model.dtype).clone(memory_format=torch.contiguous_format)
-        cos, sin = (t.clone(memory_format=torch.contiguous_format) for t in model.rotary(positions))
+        x = model.tok_embeddings(ids[:, None]).to(model.dtype).clone(memory_format=torch.contiguous_format)
+        cos, sin = (t.clone(memory_format=torch.contiguous_format) for t in model.rotary(positions[:, None]))
         Sp = layout[0].shape[-1]
         graph = None
         for layer, block in enumerate(model.layers):
-            args = (block, x, cos, sin, positions[:, 0] * member.long(), member,
+            args = (block, x, cos, sin, writes, member,
                     self.layer_keys[layer][:n, :, :Sp], self.layer_values[layer][:n, :, :Sp], *layout)
             graph = graph or self.graphs.graph(self.kind(), args)
             x = graph(*args)
