@@ -8,14 +8,11 @@ compile takes about as long as one graph.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch._inductor.config as inductor_config
 import torch.distributed as dist
 
 from .compiled import CompiledSteps, compile_steps
@@ -25,7 +22,7 @@ from .invariance import RowTiledLinear
 from .masks import interleaved_step
 from .memo import read_table, write_entry
 from .model import Transformer
-from .saved_graphs import GRAPHS_FOLDER
+from .saved_graphs import GRAPHS_FOLDER, compile_at_once
 
 
 def compiler_missing() -> str | None:
@@ -80,17 +77,11 @@ def choose_steps(model: Transformer, check_file: str | Path | None = None, *, fo
 
 def compile_kinds_at_once(model: Transformer) -> None:
     """Compile the saved graphs of one-row and of wider steps (compiled.SavedSteps) at the same time, where neither is
-    saved yet: the wider one in a forked process, the one-row one here. Tracing and lowering a graph is Python, one
-    core's work (some 20-40 s a graph for the demo model on 2 cores), so the two take about as long as one.
-
-    The second process only traces and saves: its inputs are made here before the fork, over a cache whose
-    contents do not matter (a trace sees shapes), and it runs no kernel, so it needs none of the OpenMP threads a
-    fork does not copy (and keeps torch's thread count, which a graph's guards check). If it fails, its graph is
-    compiled here at the first wider step, as without this. Nothing is done where there is no fork (not Linux) or
-    one core, nor for a model whose steps are not saved graphs."""
+    saved yet (saved_graphs.compile_at_once: the wider in a forked process), so that a first run's compile takes
+    about as long as one graph. The steps' inputs are made over a cache whose contents do not matter (a trace sees
+    shapes). Nothing is done for a model whose steps are not saved graphs."""
     runner = model.step_runner
-    if not (isinstance(runner, CompiledSteps) and runner.graphs is not None and sys.platform == "linux"
-            and (os.cpu_count() or 1) > 1):
+    if not (isinstance(runner, CompiledSteps) and runner.graphs is not None):
         return
     graphs, device = runner.layers_runner(model), model.device
     with torch.inference_mode(False):  # a cache as generation makes one
@@ -98,46 +89,11 @@ def compile_kinds_at_once(model: Transformer) -> None:
     cache.commit(5)  # as if after a prompt of 5 tokens
     with torch.inference_mode():  # the mode every step runs in (decoding, the check, the step-cost timer)
         kinds = {rows: graphs.kind(rows) for rows in (1, 16)}
-        if any(graphs.path(kind)[1].exists() or kind in graphs.graphs for kind in kinds.values()):
+        if any(graphs.kept(kind) for kind in kinds.values()):
             return
         positions, mask = interleaved_step(5, 16, lanes=4)
         inputs = {1: runner.layers_inputs(model, torch.zeros(1, 1, dtype=torch.long, device=device),
                                           torch.tensor([[5]], device=device), cache, None),
                   16: runner.layers_inputs(model, torch.zeros(1, 16, dtype=torch.long, device=device),
                                            positions[None].to(device), cache, mask.to(device))}
-        print("minilade: compiling the graphs of one-row and of wider steps (the wider in a second process)...",
-              end="", file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        pid = os.fork()
-        if pid == 0:  # the second process: trace, save, and go without running any exit handler
-            status = 1
-            try:
-                os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # the parent speaks for both
-                inductor_config.compile_threads = 1  # C++ compiled here, not by workers the parent may have started
-                graphs.compile(kinds[16], inputs[16])
-                status = 0
-            finally:
-                os._exit(status)
-        try:
-            graphs.graphs[kinds[1]] = graphs.compile(kinds[1], inputs[1])
-        finally:
-            failed = wait_or_kill(pid, bound_s=2 * (time.perf_counter() - start) + 30)
-    print(f" {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    if failed:
-        print(f"minilade: the second process did not save its graph ({failed}); it is compiled at the first wider "
-              f"step", file=sys.stderr, flush=True)
-
-
-def wait_or_kill(pid: int, bound_s: float) -> str | None:
-    """Wait for a child process for at most bound_s seconds: None if it exited 0, else how it ended, killed here
-    past the bound (a fork of a process with other threads can deadlock in the child, on a lock one of them held)."""
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            code = os.waitstatus_to_exitcode(status)
-            return None if code == 0 else f"exit status {code}"
-        time.sleep(0.05)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    return f"killed after {bound_s:.0f} s"
+        compile_at_once([(graphs, kinds[rows], inputs[rows]) for rows in (1, 16)], "one-row and of wider steps")

@@ -108,27 +108,39 @@ class CachePool:
         [0, last used) of the buffer, the calls' caches adopted first."""
         model = self.model
         slots = self.place([c.cache for c in calls])
-        n = max(slots) + 1
-        call_at = dict(zip(slots, calls))
-        ids, positions, writes = (torch.zeros(n, dtype=torch.long, device=model.device) for _ in range(3))
-        layouts = [self.dummy] * n
-        for b, call in call_at.items():
-            position = call.input_pos.reshape(1, 1)
-            ids[b], positions[b], writes[b] = call.tokens[0, 0], position[0, 0], call.cache.length
-            layouts[b] = self.runner.step_layout(model, position, call.cache.length, call.mask)
-        member = torch.zeros(n, device=model.device)
-        member[slots] = 1
-        layout = stack_layouts(layouts)
-        x = model.tok_embeddings(ids[:, None]).to(model.dtype).clone(memory_format=torch.contiguous_format)
-        cos, sin = (t.clone(memory_format=torch.contiguous_format) for t in model.rotary(positions[:, None]))
-        Sp = layout[0].shape[-1]
+        x, shared = self.pass_inputs(calls, slots)
         graph = None
         for layer, block in enumerate(model.layers):
-            args = (block, x, cos, sin, writes, member,
-                    self.layer_keys[layer][:n, :, :Sp], self.layer_values[layer][:n, :, :Sp], *layout)
+            args = self.layer_args(block, layer, x, shared)
             graph = graph or self.graphs.graph(self.kind(), args)
             x = graph(*args)
         rows = [b + (c.logits_rows if c.logits_rows is not None else torch.arange(1, device=x.device))
                 for b, c in zip(slots, calls)]  # a call's row is its slot's
         logits = model.output(model.norm(x[torch.cat(rows), 0][None]))
         return list(logits.split([r.numel() for r in rows], dim=1))
+
+    def pass_inputs(self, calls: list[ForwardCall], slots: list[int]) -> tuple[torch.Tensor, tuple]:
+        """The pass's host code, for one-row calls held in `slots`: x (n, 1, dim), the embedded rows of the slots
+        [0, n), and what every layer's pool_layer_step takes besides (cos, sin, the slots' writes and members,
+        their stacked layouts)."""
+        model = self.model
+        n = max(slots) + 1
+        ids, positions, writes = (torch.zeros(n, dtype=torch.long, device=model.device) for _ in range(3))
+        layouts = [self.dummy] * n
+        for b, call in zip(slots, calls):
+            position = call.input_pos.reshape(1, 1)
+            ids[b], positions[b], writes[b] = call.tokens[0, 0], position[0, 0], call.cache.length
+            layouts[b] = self.runner.step_layout(model, position, call.cache.length, call.mask)
+        member = torch.zeros(n, device=model.device)
+        member[slots] = 1
+        x = model.tok_embeddings(ids[:, None]).to(model.dtype).clone(memory_format=torch.contiguous_format)
+        cos, sin = (t.clone(memory_format=torch.contiguous_format) for t in model.rotary(positions[:, None]))
+        return x, (cos, sin, writes, member, stack_layouts(layouts))
+
+    def layer_args(self, block: torch.nn.Module, layer: int, x: torch.Tensor, shared: tuple) -> tuple:
+        """pool_layer_step's arguments for one layer: its buffers cut to the pass's slots and keys (fresh views: a
+        view a graph was traced from keeps dynamo's marks)."""
+        cos, sin, writes, member, layout = shared
+        n, Sp = x.shape[0], layout[0].shape[-1]
+        return (block, x, cos, sin, writes, member, self.layer_keys[layer][:n, :, :Sp],
+                self.layer_values[layer][:n, :, :Sp], *layout)

@@ -11,11 +11,11 @@ generations could run one after another, each its own graph; `SharedPasses` runs
   on the demo model (w7a8, 2 cores, outside the repository): two 4-row calls 35 ms against 51 one after another.
 
 A graph serves one kind of pass: the pool's, or a group of so many wider calls. Each kind is compiled once per
-machine (some 10-25 s for the demo model on 2 cores) and kept beside the steps' graphs (saved_graphs.SavedGraphs);
-the pool's and groups of two are compiled when the engine starts (by its check), larger groups when first needed,
-and the kinds kept are loaded when the engine starts. A kind is traced from probe calls whose every size differs
-from call to call, not from the pass at hand: traced from calls of equal sizes, a graph would demand them equal
-ever after.
+machine (some 10-25 s for the demo model on 2 cores), every kind not kept yet when the engine starts, half of them
+in a forked process (saved_graphs.compile_at_once), and kept beside the steps' graphs (saved_graphs.SavedGraphs),
+whence a later engine loads them when it starts, not amid a pass. A kind is traced from probe calls whose every size
+differs from call to call, not from the pass at hand: traced from calls of equal sizes, a graph would demand them
+equal ever after.
 
 Each call's rows get what its step alone gives them: the same operations row by row, the same weight matmuls
 (row-count invariant: the load-time check) and the same sums in its attention. That is a claim about the compiler's
@@ -37,7 +37,7 @@ from ..errors import one_line
 from ..kv_cache import KVCache
 from ..masks import interleaved_step
 from ..model import Transformer
-from ..saved_graphs import SavedGraphs, modes_kind
+from ..saved_graphs import SavedGraphs, compile_at_once, modes_kind
 from .batched import ForwardCall, one_after_another
 from .cache_pool import CachePool
 
@@ -74,17 +74,19 @@ class SharedPasses:
                   f"from)", file=sys.stderr)
             return None
         passes = cls(model)
+        pool_calls, hole = probe_calls(model, 3, 1), probe_calls(model, 1, 1)[0].cache
         with torch.inference_mode():  # the mode of the engine's passes, in which the graphs are kept
-            for kind in passes.kinds():  # those a process before compiled, loaded now rather than amid a pass
+            # in slots 0, 2 and 3 of the pool: slot 1 held by a cache without a call in the pass
+            passes.pool.place([pool_calls[0].cache, hole])
+            passes.compile_missing(model, pool_calls)
+            for kind in passes.kinds():  # those compiled in another process, or before: loaded now, not amid a pass
                 passes.graphs.load(kind)
             passes.pool.graphs.load(passes.pool.kind())
         for rows in (1, 3):
-            n = 3 if rows == 1 else 2
-            together, alone = probe_calls(model, n, rows), probe_calls(model, n, rows)
+            together = pool_calls if rows == 1 else probe_calls(model, 2, rows)
+            alone = probe_calls(model, len(together), rows)
             with torch.inference_mode():
-                if rows == 1:  # in slots 0, 2 and 3 of the pool: slot 1 held by a cache without a call in the pass
-                    hole = probe_calls(model, 1, 1)[0].cache
-                    passes.pool.place([together[0].cache, hole])
+                if rows == 1:
                     got = passes.pool.run(together)
                     for cache in [hole] + [call.cache for call in together]:
                         passes.pool.release(cache)
@@ -113,6 +115,20 @@ class SharedPasses:
             return costs(rows)
         base, per_call = self.pool_costs
         return costs(1) * (base + per_call * generations) + sum(costs(r) for r in [*other_rows, rows] if r > 1)
+
+    def compile_missing(self, model: Transformer, pool_calls: list[ForwardCall]) -> None:
+        """Compile every kind of pass not kept yet, at once (saved_graphs.compile_at_once: about half the time), each
+        from probe calls of unequal sizes: the pool's from pool_calls (one-row, their caches in the pool), groups of 2
+        to GROUP wider calls from probe_calls."""
+        jobs = []
+        for n in range(GROUP, 1, -1):  # the largest first: the two processes take the kinds in turn
+            if not self.graphs.kept(self.kind(n)):
+                x, cos, sin, steps = self.pass_inputs(model, probe_calls(model, n, 3))
+                jobs.append((self.graphs, self.kind(n), layer_args(model.layers[0], x, cos, sin, steps, 0)))
+        if not self.pool.graphs.kept(self.pool.kind()):
+            x, shared = self.pool.pass_inputs(pool_calls, self.pool.place([c.cache for c in pool_calls]))
+            jobs.append((self.pool.graphs, self.pool.kind(), self.pool.layer_args(model.layers[0], 0, x, shared)))
+        compile_at_once(jobs, f"shared passes (one-row calls over a cache pool; groups of 2 to {GROUP} wider calls)")
 
     @staticmethod
     def kind(n: int) -> str:

@@ -129,7 +129,7 @@ def test_steps_are_compiled_when_asked_and_exact_and_the_setup_says_so(monkeypat
     check_file = kept / "invariance.json"
     assert choose_steps(model, check_file, force=True).startswith("compiled steps")  # the check passed
     err = capsys.readouterr().err
-    assert "compiling the graphs of one-row and of wider steps (the wider in a second process)... " in err
+    assert "compiling the graphs of one-row and of wider steps (in two processes)... " in err
     assert "compiling the graph of" not in err and "did not save" not in err and "refuses" not in err, err
     assert model.step_runner is not None and check_file.exists()
     assert len(list((kept / saved_graphs.GRAPHS_FOLDER).glob("*.pt2"))) == 2  # one-row steps and wider ones
@@ -155,7 +155,7 @@ def test_a_second_process_that_fails_leaves_its_graph_to_the_first_step_of_its_k
     monkeypatch.setattr(compiled.SavedSteps, "compile", failing_in_the_second_process)
     model = compiled_model("w7a8", graphs=tmp_path)
     compile_policy.compile_kinds_at_once(model)
-    assert "the second process did not save its graph (exit status 1)" in capsys.readouterr().err
+    assert "the second process did not save its graphs (exit status 1)" in capsys.readouterr().err
     assert len(list(tmp_path.glob("*.pt2"))) == 1
     got = two_steps(model)
     assert "compiling the graph of wider steps... " in capsys.readouterr().err
