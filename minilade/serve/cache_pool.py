@@ -4,7 +4,7 @@ A generation makes its own cache (decoding.loop.cache_for), a PaddedKVCache of o
 one-row steps first share a pass with others, `CachePool.place` adopts the cache: its committed rows are copied into
 a free slot of the pool's buffer, (n_layers, slots, Hkv, capacity, ...), and the cache's k and v become views of that
 slot, so the generation goes on writing and reading there unaware. `CachePool.run` then runs a pass of one-row calls
-as pool_step.pool_layer_step over the first slots of the buffer, each layer one graph for all of them. The buffer
+as pool_step.pool_layers_step over the first slots of the buffer: one graph for all of them. The buffer
 grows (slots and capacity, by half at least: copied, and every adopted cache pointed at its new place) when a cache
 does not fit; it is only touched between passes, in the engine's thread, while every generation waits in a forward
 call. A finished generation's slot is released for the next; the rows it leaves there are scratch to the next
@@ -22,7 +22,7 @@ from ..decoding.step_costs import cost_key
 from ..invariance import PaddedKVCache
 from ..kv_cache import KVCache
 from ..model import Transformer
-from ..pool_step import mark_pool_sizes, pool_layer_step, stack_layouts
+from ..pool_step import mark_pool_sizes, pool_layers_step, stack_layouts
 from ..saved_graphs import SavedGraphs, modes_kind
 from .batched import ForwardCall
 
@@ -35,7 +35,7 @@ class CachePool:
         if not isinstance(runner, CompiledSteps) or runner.graphs is None:
             raise ValueError("a cache pool's passes need the model's steps compiled and kept in a folder")
         self.model, self.runner = model, runner
-        self.graphs = SavedGraphs(runner.graphs, f"{cost_key(model)}|pool", traced=pool_layer_step,
+        self.graphs = SavedGraphs(runner.graphs, f"{cost_key(model)}|pool", traced=pool_layers_step,
                                   mark=mark_pool_sizes)
         self.buffer: PaddedKVCache | None = None
         self.layer_keys: list[torch.Tensor] = []  # per layer, (slots, Hkv, S, D): views of the buffer (layer_views)
@@ -108,21 +108,18 @@ class CachePool:
         [0, last used) of the buffer, the calls' caches adopted first."""
         model = self.model
         slots = self.place([c.cache for c in calls])
-        x, shared = self.pass_inputs(calls, slots)
-        graph = None
-        for layer, block in enumerate(model.layers):
-            args = self.layer_args(block, layer, x, shared)
-            graph = graph or self.graphs.graph(self.kind(), args)
-            x = graph(*args)
+        args = self.pass_args(calls, slots)
+        x = self.graphs.graph(self.kind(), args)(*args)
         rows = [b + (c.logits_rows if c.logits_rows is not None else torch.arange(1, device=x.device))
                 for b, c in zip(slots, calls)]  # a call's row is its slot's
         logits = model.output(model.norm(x[torch.cat(rows), 0][None]))
         return list(logits.split([r.numel() for r in rows], dim=1))
 
-    def pass_inputs(self, calls: list[ForwardCall], slots: list[int]) -> tuple[torch.Tensor, tuple]:
-        """The pass's host code, for one-row calls held in `slots`: x (n, 1, dim), the embedded rows of the slots
-        [0, n), and what every layer's pool_layer_step takes besides (cos, sin, the slots' writes and members,
-        their stacked layouts)."""
+    def pass_args(self, calls: list[ForwardCall], slots: list[int]) -> tuple:
+        """The pass's host code, for one-row calls held in `slots`: pool_layers_step's arguments over the slots
+        [0, n) (their embedded rows, rotary tables, writes and members, every layer's buffers cut to the pass's slots
+        and keys: fresh views, since a view a graph was traced from keeps dynamo's marks, and their stacked
+        layouts)."""
         model = self.model
         n = max(slots) + 1
         ids, positions, writes = (torch.zeros(n, dtype=torch.long, device=model.device) for _ in range(3))
@@ -133,14 +130,10 @@ class CachePool:
             layouts[b] = self.runner.step_layout(model, position, call.cache.length, call.mask)
         member = torch.zeros(n, device=model.device)
         member[slots] = 1
+        layout = stack_layouts(layouts)
+        Sp = layout[0].shape[-1]
         x = model.tok_embeddings(ids[:, None]).to(model.dtype).clone(memory_format=torch.contiguous_format)
         cos, sin = (t.clone(memory_format=torch.contiguous_format) for t in model.rotary(positions[:, None]))
-        return x, (cos, sin, writes, member, stack_layouts(layouts))
-
-    def layer_args(self, block: torch.nn.Module, layer: int, x: torch.Tensor, shared: tuple) -> tuple:
-        """pool_layer_step's arguments for one layer: its buffers cut to the pass's slots and keys (fresh views: a
-        view a graph was traced from keeps dynamo's marks)."""
-        cos, sin, writes, member, layout = shared
-        n, Sp = x.shape[0], layout[0].shape[-1]
-        return (block, x, cos, sin, writes, member, self.layer_keys[layer][:n, :, :Sp],
-                self.layer_values[layer][:n, :, :Sp], *layout)
+        keys = [t[:n, :, :Sp] for t in self.layer_keys]
+        values = [t[:n, :, :Sp] for t in self.layer_values]
+        return model.layers, x, cos, sin, writes, member, keys, values, *layout

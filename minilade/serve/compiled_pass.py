@@ -126,8 +126,8 @@ class SharedPasses:
                 x, cos, sin, steps = self.pass_inputs(model, probe_calls(model, n, 3))
                 jobs.append((self.graphs, self.kind(n), layer_args(model.layers[0], x, cos, sin, steps, 0)))
         if not self.pool.graphs.kept(self.pool.kind()):
-            x, shared = self.pool.pass_inputs(pool_calls, self.pool.place([c.cache for c in pool_calls]))
-            jobs.append((self.pool.graphs, self.pool.kind(), self.pool.layer_args(model.layers[0], 0, x, shared)))
+            slots = self.pool.place([c.cache for c in pool_calls])
+            jobs.append((self.pool.graphs, self.pool.kind(), self.pool.pass_args(pool_calls, slots)))
         compile_at_once(jobs, f"shared passes (one-row calls over a cache pool; groups of 2 to {GROUP} wider calls)")
 
     @staticmethod
