@@ -8,7 +8,8 @@ as pool_step.pool_layers_step over the first slots of the buffer: one graph for 
 grows (slots and capacity, by half at least: copied, and every adopted cache pointed at its new place) when a cache
 does not fit; it is only touched between passes, in the engine's thread, while every generation waits in a forward
 call. A finished generation's slot is released for the next; the rows it leaves there are scratch to the next
-(finite, as a PaddedKVCache's unwritten slots are, so hidden keys still weigh exactly 0).
+(finite, as a PaddedKVCache's unwritten slots are, so hidden keys still weigh exactly 0). The buffer holds its slots
+at the largest capacity adopted (a request's own need: its prompt and max_tokens) and is freed when no slot is held.
 """
 
 from __future__ import annotations
@@ -69,11 +70,14 @@ class CachePool:
             return [where[id(cache)] for cache in caches]
 
     def release(self, cache: KVCache) -> None:
-        """Free a finished generation's slot (nothing happens to a cache never adopted)."""
+        """Free a finished generation's slot (nothing happens to a cache never adopted); the buffer itself once no
+        slot is held, so that a burst of long requests does not keep its memory after it."""
         with self.lock:
             for b, held in list(self.held.items()):
                 if held is cache:
                     del self.held[b]
+            if not self.held:
+                self.buffer, self.layer_keys, self.layer_values = None, [], []
 
     def fit(self, adopted: list[KVCache]) -> None:
         """Make the buffer hold every slot in use at every held cache's capacity (a new one, the held rows copied,

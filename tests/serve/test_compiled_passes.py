@@ -170,6 +170,9 @@ def test_pooled_generations_decode_as_alone_while_the_pool_grows_and_slots_chang
             step(["c", "d", "b"])
         assert pool.slot_of(runs["d"][0]) == slot_a
         assert all(same_rows(name) for name in "bcd")
+        for name in "bcd":
+            pool.release(runs[name][0])
+        assert pool.buffer is None  # its memory freed once no slot is held
 
 
 def test_a_context_too_short_for_the_probes_leaves_compiled_calls_one_after_another(llm, monkeypatch, capsys):
