@@ -56,7 +56,7 @@ class SharedPasses:
         self.graphs = SavedGraphs(runner.graphs, f"{cost_key(model)}|pass", traced=pass_layer_step,
                                   mark=mark_pass_sizes)
         self.pool = CachePool(model)
-        self.refused: set[str] = set()  # kinds whose graph refused a pass (refusing)
+        self.refused: set[str] = set()  # kinds whose graph refused a pass (unless_refused)
         # A pool pass of k >= 2 one-row calls costs (base + per_call * k) one-row steps (measure_pool: checked).
         self.pool_costs = (1.0, 0.5)
 
@@ -155,7 +155,7 @@ class SharedPasses:
         if len(calls) == 1 or kind in self.refused:
             return one_after_another(model, calls)
         if one_row:
-            return self.refusing(kind, model, calls, lambda: self.pool.run(calls))
+            return self.unless_refused(kind, model, calls, lambda: self.pool.run(calls))
         if kind not in self.graphs.graphs:  # compiled (or loaded) from probe calls of unequal sizes
             x, cos, sin, steps = self.pass_inputs(model, probe_calls(model, len(calls), 3))
             self.graphs.graph(kind, layer_args(model.layers[0], x, cos, sin, steps, 0))
@@ -172,9 +172,9 @@ class SharedPasses:
                 start += T
             logits = model.output(model.norm(x[:, torch.cat(rows)]))
             return list(logits.split([r.numel() for r in rows], dim=1))
-        return self.refusing(kind, model, calls, run)
+        return self.unless_refused(kind, model, calls, run)
 
-    def refusing(self, kind: str, model: Transformer, calls: list[ForwardCall],
+    def unless_refused(self, kind: str, model: Transformer, calls: list[ForwardCall],
                  run: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
         """run(), or where the kind's graph refuses the pass (its guards), the calls one after another, with a
         line, and every later pass of that kind too."""
