@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-from ..masks import CandidateTree
-
 Key = tuple[str, Hashable]  # (source, bucket)
 
 
@@ -68,9 +66,9 @@ class Calibration:
 
 @dataclass
 class DraftTree:
-    """Paths merged into the trie of masks.CandidateTree, with a score per node. Node i: tokens[i], parent[i]
-    (-1: the root x), chance[i] (of being accepted), key[i] (the calibration key of the most confident source that
-    proposed it). Nodes are numbered as the trie numbers them: path by path, token by token, new prefixes only."""
+    """Paths merged into a trie, with a score per node. Node i: tokens[i], parent[i] (-1: the root x), chance[i]
+    (of being accepted), key[i] (the calibration key of the most confident source that proposed it). Nodes are
+    numbered as masks.CandidateTree numbers a trie: path by path, token by token, new prefixes only."""
 
     tokens: list[int] = field(default_factory=list)
     parent: list[int] = field(default_factory=list)
@@ -81,18 +79,22 @@ class DraftTree:
     def merge(cls, paths: Sequence[DraftPath], calibration: Calibration, max_depth: int | None = None
               ) -> "DraftTree":
         """Paths (each cut to max_depth tokens) in order: a node's chance is the first path's through it, raised
-        when a later path through it is more confident (its descendants keep theirs)."""
-        paths = [DraftPath(p.tokens[:max_depth], p.keys[:max_depth]) for p in paths]
-        trie = CandidateTree.of([p.tokens for p in paths])
-        n = trie.size
-        tree = cls(trie.tokens.tolist(), [-1] * n, [-1.0] * n, [None] * n)
-        for path, nodes in zip(paths, trie.node_of.tolist()):
+        when a later path through it is more confident (its descendants keep theirs). Built in plain Python: it
+        runs before every step, drafted or not, and a trie of a few dozen nodes is cheaper so than as tensors."""
+        tree, node_of = cls(), {}  # (parent, token) -> node
+        for path in paths:
             above, parent = 1.0, -1
-            for node, key in zip(nodes, path.keys):
-                chance = above * calibration.chance(key)
-                if chance > tree.chance[node]:  # new, or a more confident source: raise this node only
+            for token, key in zip(path.tokens[:max_depth], path.keys[:max_depth]):
+                chance, node = above * calibration.chance(key), node_of.get((parent, token))
+                if node is None:
+                    node = node_of[parent, token] = len(tree.tokens)
+                    tree.tokens.append(token)
+                    tree.parent.append(parent)
+                    tree.chance.append(chance)
+                    tree.key.append(key)
+                elif chance > tree.chance[node]:  # a more confident source: raise this node only
                     tree.chance[node], tree.key[node] = chance, key
-                tree.parent[node], above, parent = parent, tree.chance[node], node
+                above, parent = tree.chance[node], node
         return tree
 
     def __len__(self) -> int:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from minilade.drafts.tree import Calibration, DraftPath, DraftTree
+from minilade.masks import CandidateTree
 
 
 def path(tokens, source="s"):
@@ -19,6 +22,21 @@ def test_paths_merge_into_a_trie_with_chances_multiplied_along_them() -> None:
     assert tree.chance == pytest.approx([0.9, 0.81, 0.125, 0.25])
     assert tree.ranked() == [0, 1, 3, 2]
     assert [p.tokens for p in tree.paths([0, 1, 3])] == [(1, 2), (1, 4)]  # leaves, most likely first
+
+
+def test_the_tree_is_numbered_as_the_verified_trie_is() -> None:
+    """The draft tree's nodes are those of masks.CandidateTree over the same paths, in its order, cut to max_depth:
+    random paths sharing many prefixes."""
+    rng = random.Random(0)
+    for _ in range(200):
+        paths = [path([rng.randrange(3) for _ in range(rng.randrange(1, 6))]) for _ in range(rng.randrange(1, 8))]
+        tree = DraftTree.merge(paths, Calibration(), max_depth=4)
+        trie = CandidateTree.of([p.tokens[:4] for p in paths])
+        assert tree.tokens == trie.tokens.tolist()
+        depth = tree.depths()
+        assert depth == trie.depth.tolist()
+        for i, parent in enumerate(tree.parent):  # a node's parent is the node it sees at the depth above
+            assert parent == -1 or (trie.mask[i, parent] and depth[parent] == depth[i] - 1)
 
 
 def test_ranking_never_puts_a_node_before_its_parent() -> None:
