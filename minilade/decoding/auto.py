@@ -184,7 +184,11 @@ def draft_sources(settings: Auto, pool, suffix: SuffixIndex, ctx: DecodeContext)
 
 
 class AutoDecoder(Decoder):
-    EXPLORE_EVERY = 32  # plain steps in a row before a cheap probe (the most likely node alone)
+    # A probe (the most likely node alone) after at least EXPLORE_EVERY plain steps in a row, and once it costs at
+    # most EXPLORE_SHARE of their time: alone a probe's second row is nearly free (one every 32 or so steps), in a
+    # compiled shared pass a wider call costs about its own step on top of the pass (rarely or never).
+    EXPLORE_EVERY = 32
+    EXPLORE_SHARE = 0.003
     DECAY = 0.97  # per step, for the window's running credit
 
     def __init__(self, ctx: DecodeContext, settings: Auto) -> None:
@@ -209,7 +213,7 @@ class AutoDecoder(Decoder):
                                         settings.suffix_branches, suffix))
         # The window's worth: tokens accepted from candidates only the window made, per step that ran it.
         self.window_credit, self.window_steps = 0.5, 1.0  # a prior of half a token per window step
-        self.since_verify = 0
+        self.since_verify, self.plain_seconds = 0, 0.0  # plain steps since the last drafted one, and their cost
 
     def cost_sizes(self) -> list[int]:
         sizes = {T for T in COST_SIZES if T <= self.budget} | {self.budget}
@@ -262,7 +266,8 @@ class AutoDecoder(Decoder):
 
     def choose(self, tree: DraftTree) -> Plan:
         """The plan with the most expected tokens per second (of the whole pass, when it is shared): b nodes, with
-        or without the window; after EXPLORE_EVERY plain steps in a row, a probe of the most likely node."""
+        or without the window; after enough plain steps in a row (EXPLORE_EVERY, EXPLORE_SHARE), a probe of the
+        most likely node."""
         ranked = tree.ranked()
         window_rows = self.window_shape.n_base if window_fits(self.ctx, self.layout) else None
         window_gain = self.window_credit / self.window_steps
@@ -272,13 +277,15 @@ class AutoDecoder(Decoder):
         self.window_credit *= self.DECAY
         self.window_steps *= self.DECAY
         if b or with_window:
-            self.since_verify = 0
+            self.since_verify, self.plain_seconds = 0, 0.0
             return Plan(with_window, ranked[:b], (window_rows if with_window else 1) + b, expected,
                         [tree.key[i] for i in ranked[:b]])
-        if ranked and self.since_verify >= self.EXPLORE_EVERY:
-            self.since_verify = 0
+        if ranked and self.since_verify >= self.EXPLORE_EVERY \
+                and self.plain_seconds * self.EXPLORE_SHARE >= costs(2) - costs(1):
+            self.since_verify, self.plain_seconds = 0, 0.0
             return Plan(False, ranked[:1], 2, 1.0 + tree.chance[ranked[0]], [tree.key[ranked[0]]])  # a probe
         self.since_verify += 1
+        self.plain_seconds += costs(1)
         return Plan(False, [], 1, 1.0)
 
     def learn(self, plan: Plan, paths: list[DraftPath], verdict: Verdict) -> None:

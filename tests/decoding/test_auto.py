@@ -53,6 +53,18 @@ def test_expensive_steps_mean_plain_decoding() -> None:
     assert run.stats.step_kinds[StepKind()] > 30
 
 
+def test_a_probe_is_taken_only_where_it_costs_little() -> None:
+    """After 32 plain steps auto probes the most likely node where a second row is nearly free; where it costs as
+    much as the first (a shared compiled pass's wider call), not within 100 steps."""
+    model = tiny_model(vocab=12, seed=1)
+    prompt = [1, 2, 3, 4] * 6
+    probe = StepKind(paths=1, depth=1)
+    cheap = costs_of(lambda T: {1: 1.0, 2: 1.001}.get(T, 10.0 + T))  # no draft pays, but a probe costs little
+    for costs, probes in ((cheap, True), (costs_of(lambda T: float(T)), False)):
+        got, run = run_tokens(model, prompt, Auto(4, 4, 4, costs=costs), max_new_tokens=100)
+        assert set(run.stats.step_kinds) == ({StepKind(), probe} if probes else {StepKind()}), run.stats.step_kinds
+
+
 def test_free_steps_mean_the_largest_useful_step() -> None:
     costs = costs_of(lambda T: 1.0)  # every step costs the same: take the window and all candidates
     model = tiny_model(vocab=12, seed=1)
