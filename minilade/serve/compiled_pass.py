@@ -105,16 +105,17 @@ class SharedPasses:
         passes.pool_costs = measure_pool(model, passes.pool)
         return passes
 
-    def pass_cost(self, other_rows: list[int], rows: int, costs: Callable[[int], float]) -> float:
-        """planner.PassCost: seconds of a pass whose generations feed other_rows and rows, one call's step alone
-        costing costs(rows): the pool's pass (pool_costs) over a slot for every generation, since a generation
-        whose call is wider keeps its slot and goes along with a dummy row, then each wider call at about its own
-        step's cost (a group of them reads the weights once: a little less). A lone one-row call is its own step."""
-        generations = len(other_rows) + 1
-        if generations == 1:
-            return costs(rows)
+    def pass_cost(self, other_rows: list[int], costs: Callable[[int], float]) -> Callable[[int], float]:
+        """planner.PassCost: seconds of a pass whose other generations feed other_rows, by the rows this one feeds,
+        one call's step alone costing costs(rows): the pool's pass (pool_costs) over a slot for every generation,
+        since a generation whose call is wider keeps its slot and goes along with a dummy row, then each wider call
+        at about its own step's cost (a group of them reads the weights once: a little less). A lone call is its
+        own step."""
+        if not other_rows:
+            return costs
         base, per_call = self.pool_costs
-        return costs(1) * (base + per_call * generations) + sum(costs(r) for r in [*other_rows, rows] if r > 1)
+        fixed = costs(1) * (base + per_call * (len(other_rows) + 1)) + sum(costs(r) for r in other_rows if r > 1)
+        return lambda rows: fixed + (costs(rows) if rows > 1 else 0.0)
 
     def compile_missing(self, model: Transformer, pool_calls: list[ForwardCall]) -> None:
         """Compile every kind of pass not kept yet, at once (saved_graphs.compile_at_once: about half the time), each

@@ -24,7 +24,9 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-PassCost = Callable[[list[int], int, Callable[[int], float]], float]
+# pass_cost(rows of each other generation, one generation's step costs) -> the pass's seconds as a function of the
+# rows this generation feeds (called for every plan a step weighs: the others' part is summed once)
+PassCost = Callable[[list[int], Callable[[int], float]], Callable[[int], float]]
 
 
 class PassPlans:
@@ -49,9 +51,10 @@ class PassPlans:
         return [rows for rows, _ in fed], sum(tokens for _, tokens in fed)
 
 
-def rows_together(other_rows: list[int], rows: int, costs: Callable[[int], float]) -> float:
-    """Seconds of a pass in which every row goes through the layers together: one step of all the rows."""
-    return costs(sum(other_rows) + rows)
+def rows_together(other_rows: list[int], costs: Callable[[int], float]) -> Callable[[int], float]:
+    """PassCost of a pass in which every row goes through the layers together: one step of all the rows."""
+    others = sum(other_rows)
+    return lambda rows: costs(others + rows)
 
 
 class PassMember:
@@ -59,14 +62,12 @@ class PassMember:
     (its prefill, or a strategy that does not plan), the engine records each of its calls (PassPlans.record)."""
 
     def __init__(self, plans: PassPlans, pass_cost: PassCost = rows_together) -> None:
-        """pass_cost(rows of each other generation, rows of this one, one generation's step costs): seconds of
-        the pass."""
         self.plans, self.pass_cost, self.planning = plans, pass_cost, False
 
     def others(self, costs: Callable[[int], float]) -> tuple[Callable[[int], float], float]:
         """auto.SharedPasses.others: the pass's seconds by this generation's rows, and the others' tokens."""
         other_rows, tokens = self.plans.others(self)
-        return (lambda rows: self.pass_cost(other_rows, rows, costs)), tokens
+        return self.pass_cost(other_rows, costs), tokens
 
     def plan(self, rows: int, expected: float) -> None:
         self.planning = True

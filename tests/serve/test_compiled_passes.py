@@ -194,9 +194,9 @@ def test_the_cost_of_a_compiled_pass_is_the_pools_and_each_wider_calls(llm):
     assert 0 < per_call and base + 4 * per_call < 4
     passes.pool_costs = (0.5, 0.25)
     step = {1: 2.0, 4: 3.0, 8: 5.0}.__getitem__  # seconds of one call's step by rows
-    assert passes.pass_cost([], 1, step) == 2.0 and passes.pass_cost([], 4, step) == 3.0
-    assert passes.pass_cost([1, 1, 8], 1, step) == 2.0 * (0.5 + 0.25 * 4) + 5.0
-    assert passes.pass_cost([1, 1, 8], 4, step) == 2.0 * (0.5 + 0.25 * 4) + 5.0 + 3.0
+    assert passes.pass_cost([], step)(1) == 2.0 and passes.pass_cost([], step)(4) == 3.0
+    assert passes.pass_cost([1, 1, 8], step)(1) == 2.0 * (0.5 + 0.25 * 4) + 5.0
+    assert passes.pass_cost([1, 1, 8], step)(4) == 2.0 * (0.5 + 0.25 * 4) + 5.0 + 3.0
 
 
 def test_a_pass_groups_calls_of_one_kind():
