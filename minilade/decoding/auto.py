@@ -184,9 +184,10 @@ def draft_sources(settings: Auto, pool, suffix: SuffixIndex, ctx: DecodeContext)
 
 
 class AutoDecoder(Decoder):
-    # A probe (the most likely node alone) after at least EXPLORE_EVERY plain steps in a row, and once it costs at
-    # most EXPLORE_SHARE of their time: alone a probe's second row is nearly free (one every 32 or so steps), in a
-    # compiled shared pass a wider call costs about its own step on top of the pass (rarely or never).
+    # A probe (the most likely node alone) after at least EXPLORE_EVERY plain steps in a row, and once the tokens it
+    # costs the pass are at most EXPLORE_SHARE of theirs: alone a second row is nearly free (a probe every 32 or so
+    # steps); in a compiled shared pass it is a wider call costing about its own step, and every generation in the
+    # pass waits for it (rarely or never).
     EXPLORE_EVERY = 32
     EXPLORE_SHARE = 0.003
     DECAY = 0.97  # per step, for the window's running credit
@@ -213,7 +214,7 @@ class AutoDecoder(Decoder):
                                         settings.suffix_branches, suffix))
         # The window's worth: tokens accepted from candidates only the window made, per step that ran it.
         self.window_credit, self.window_steps = 0.5, 1.0  # a prior of half a token per window step
-        self.since_verify, self.plain_seconds = 0, 0.0  # plain steps since the last drafted one, and their cost
+        self.since_verify = 0  # plain steps since the last drafted one
 
     def cost_sizes(self) -> list[int]:
         sizes = {T for T in COST_SIZES if T <= self.budget} | {self.budget}
@@ -277,15 +278,14 @@ class AutoDecoder(Decoder):
         self.window_credit *= self.DECAY
         self.window_steps *= self.DECAY
         if b or with_window:
-            self.since_verify, self.plain_seconds = 0, 0.0
+            self.since_verify = 0
             return Plan(with_window, ranked[:b], (window_rows if with_window else 1) + b, expected,
                         [tree.key[i] for i in ranked[:b]])
-        if ranked and self.since_verify >= self.EXPLORE_EVERY \
-                and self.plain_seconds * self.EXPLORE_SHARE >= costs(2) - costs(1):
-            self.since_verify, self.plain_seconds = 0, 0.0
+        lost = (costs(2) / costs(1) - 1) * (1 + other_tokens)  # the pass's tokens a probe's second row costs
+        if ranked and self.since_verify >= max(self.EXPLORE_EVERY, lost / self.EXPLORE_SHARE):
+            self.since_verify = 0
             return Plan(False, ranked[:1], 2, 1.0 + tree.chance[ranked[0]], [tree.key[ranked[0]]])  # a probe
         self.since_verify += 1
-        self.plain_seconds += costs(1)
         return Plan(False, [], 1, 1.0)
 
     def learn(self, plan: Plan, paths: list[DraftPath], verdict: Verdict) -> None:
