@@ -57,8 +57,9 @@ class SharedPasses:
                                   mark=mark_pass_sizes)
         self.pool = CachePool(model)
         self.refused: set[str] = set()  # kinds whose graph refused a pass (unless_refused)
-        # A pool pass of k >= 2 one-row calls costs (base + per_call * k) one-row steps (measure_pool: checked).
-        self.pool_costs = (1.0, 0.5)
+        # A pool pass of k >= 2 one-row calls costs (base + per_call * k) one-row steps; a group of GROUP wider
+        # calls costs group_share of their steps one after another (measure_passes, in checked).
+        self.pool_costs, self.group_share = (1.0, 0.5), 1.0
 
     @classmethod
     def checked(cls, model: Transformer) -> SharedPasses | None:
@@ -102,20 +103,36 @@ class SharedPasses:
                       f"{'one-row' if rows == 1 else 'wider'} calls did not give each its own step's logits)",
                       file=sys.stderr)
                 return None
-        passes.pool_costs = measure_pool(model, passes.pool)
+        passes.pool_costs, passes.group_share = measure_passes(model, passes)
         return passes
 
     def pass_cost(self, other_rows: list[int], costs: Callable[[int], float]) -> Callable[[int], float]:
         """planner.PassCost: seconds of a pass whose other generations feed other_rows, by the rows this one feeds,
-        one call's step alone costing costs(rows): the pool's pass (pool_costs) over a slot for every generation,
-        since a generation whose call is wider keeps its slot and goes along with a dummy row, then each wider call
-        at about its own step's cost (a group of them reads the weights once: a little less). A lone call is its
-        own step."""
+        one call's step alone costing costs(rows): the pool's pass over a slot for every generation (pool_costs),
+        then the wider calls in groups of up to GROUP, as groups() makes them, a group of g calls costing between
+        their steps one after another (g = 1) and group_share of them (g = GROUP). A lone generation costs its own
+        step.
+
+        The pool's pass is counted whether or not any call of this pass is one-row: it is where the generations
+        return once drafts stop paying. Counted only where it runs, a generation whose call is the last one-row call
+        of the pass would see it as its own step, dearer than a slot of the pool's pass, so generations that draft
+        together would go on drafting where every one of them decoding plainly in the pool's pass is faster (on
+        HumanEval at eight clients, auto served x0.89 of plain decoding so, mostly in passes of seven wider calls)."""
         if not other_rows:
             return costs
         base, per_call = self.pool_costs
-        fixed = costs(1) * (base + per_call * (len(other_rows) + 1)) + sum(costs(r) for r in other_rows if r > 1)
-        return lambda rows: fixed + (costs(rows) if rows > 1 else 0.0)
+        pool = costs(1) * (base + per_call * (len(other_rows) + 1))
+        wider = [costs(r) for r in other_rows if r > 1]
+
+        def seconds(rows: int) -> float:
+            calls = wider + [costs(rows)] if rows > 1 else wider
+            return pool + sum(self.group_cost(calls[i:i + GROUP]) for i in range(0, len(calls), GROUP))
+        return seconds
+
+    def group_cost(self, steps: list[float]) -> float:
+        """Seconds of a group of wider calls whose steps alone take `steps`: from all of them (one call) down to
+        group_share of them (GROUP calls), in proportion."""
+        return sum(steps) * (1 - (1 - self.group_share) * (len(steps) - 1) / (GROUP - 1))
 
     def compile_missing(self, model: Transformer, pool_calls: list[ForwardCall]) -> None:
         """Compile every kind of pass not kept yet, at once (saved_graphs.compile_at_once: about half the time), each
@@ -204,13 +221,19 @@ class SharedPasses:
         return x, cos, sin, steps
 
 
-def measure_pool(model: Transformer, pool: CachePool, repeats: int = 5) -> tuple[float, float]:
-    """(base, per_call): a pool pass of k one-row calls costs (base + per_call * k) one-row steps, from the median
-    times of passes of two and four probe calls and of one call's step alone, measured round-robin after a warm-up
-    round."""
-    calls = probe_calls(model, 4, 1)
-    runs = {"alone": lambda: model(calls[0].tokens, calls[0].input_pos, calls[0].cache),
-            "two": lambda: pool.run(calls[:2]), "four": lambda: pool.run(calls)}
+def measure_passes(model: Transformer, passes: SharedPasses, repeats: int = 5) -> tuple[tuple[float, float], float]:
+    """((base, per_call), group_share): a pool pass of k one-row calls costs (base + per_call * k) one-row steps,
+    and a group of GROUP wider calls group_share of their steps one after another. From the median times of pool
+    passes of two and four one-row calls, a one-row step alone, a group of GROUP lookahead-shaped calls of
+    MEASURED_ROWS rows and those calls alone, measured round-robin after a warm-up round. Every call reads a cache of
+    the same length (that of step_costs' measured steps, where the context holds it), since a pool pass attends over
+    its widest slot's length: from calls over caches of unequal lengths, the pass of four would also pay for a wider
+    slot, and per_call come out 1.5-2x what a slot costs."""
+    past = max(1, min(MEASURED_CONTEXT, model.config.max_seq_len - MEASURED_ROWS - PROBE_ROOM))
+    ones, wider = calls_over(model, [(past, 1)] * 4), calls_over(model, [(past, MEASURED_ROWS)] * GROUP)
+    runs = {"alone": lambda: one_after_another(model, ones[:1]), "two": lambda: passes.pool.run(ones[:2]),
+            "four": lambda: passes.pool.run(ones), "group": lambda: passes.run_group(model, wider),
+            "steps": lambda: one_after_another(model, wider)}
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     with torch.inference_mode():
         for repeat in range(repeats + 1):
@@ -219,11 +242,15 @@ def measure_pool(model: Transformer, pool: CachePool, repeats: int = 5) -> tuple
                 run()
                 if repeat:
                     seconds[name].append(time.perf_counter() - start)
-    for call in calls:
-        pool.release(call.cache)
-    one, two, four = (sorted(seconds[name])[repeats // 2] for name in runs)
+    for call in ones:
+        passes.pool.release(call.cache)
+    one, two, four, group, steps = (sorted(seconds[name])[repeats // 2] for name in runs)
     per_call = max(0.0, (four - two) / 2 / one)  # not below 0 where a noisy machine says so
-    return max(0.0, two / one - 2 * per_call), per_call
+    return (max(0.0, two / one - 2 * per_call), per_call), min(1.0, group / steps)
+
+
+MEASURED_CONTEXT = 256  # cache rows the measured passes' calls read (step_costs measures its steps after as many)
+MEASURED_ROWS = 6  # rows of each wider call measured in a group
 
 
 def layer_args(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, steps: list[tuple],
@@ -236,9 +263,14 @@ def layer_args(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: 
 def probe_calls(model: Transformer, n: int, rows: int) -> list[ForwardCall]:
     """n calls of `rows` rows each (lookahead-shaped when wider), over fresh caches of prompts of unequal lengths,
     the rows of wider calls unequal too: every size a graph of their kind makes dynamic differs between them."""
+    return calls_over(model, [probe_size(i, rows) for i in range(n)])
+
+
+def calls_over(model: Transformer, sizes: list[tuple[int, int]]) -> list[ForwardCall]:
+    """A call of T rows (lookahead-shaped when T > 1) over a fresh cache holding a prompt of `past` tokens, for
+    each (past, T) of sizes; the prompts' tokens differ from call to call."""
     calls = []
-    for i in range(n):
-        past, T = probe_size(i, rows)
+    for i, (past, T) in enumerate(sizes):
         with torch.inference_mode(False):  # a cache as generation makes one
             cache = model.new_cache(past + T + PROBE_ROOM)
         with torch.inference_mode():

@@ -185,18 +185,21 @@ def test_a_context_too_short_for_the_probes_leaves_compiled_calls_one_after_anot
     assert "cannot hold the probe calls" in capsys.readouterr().err
 
 
-def test_the_cost_of_a_compiled_pass_is_the_pools_and_each_wider_calls(llm):
+def test_the_cost_of_a_compiled_pass_is_the_pools_and_each_group_of_wider_calls(llm):
     """Planning a compiled pass: every generation costs a slot of the pool's pass (measured at the check, in one-row
-    steps: a pass of four dearer than one of two, cheaper than four steps), and each wider call about its own step
-    on top; a generation alone costs its own step."""
+    steps: a pass of four dearer than one of two, cheaper than four steps), and the wider calls their steps on top,
+    less in groups (measured: a group of GROUP calls cheaper than its calls one after another); a generation alone
+    costs its own step."""
     passes = SharedPasses.checked(llm.model)
     base, per_call = passes.pool_costs
-    assert 0 < per_call and base + 4 * per_call < 4
-    passes.pool_costs = (0.5, 0.25)
+    assert 0 < per_call and base + 4 * per_call < 4 and 0 < passes.group_share < 1
+    passes.pool_costs, passes.group_share = (0.5, 0.25), 0.7
     step = {1: 2.0, 4: 3.0, 8: 5.0}.__getitem__  # seconds of one call's step by rows
     assert passes.pass_cost([], step)(1) == 2.0 and passes.pass_cost([], step)(4) == 3.0
-    assert passes.pass_cost([1, 1, 8], step)(1) == 2.0 * (0.5 + 0.25 * 4) + 5.0
-    assert passes.pass_cost([1, 1, 8], step)(4) == 2.0 * (0.5 + 0.25 * 4) + 5.0 + 3.0
+    pool = 2.0 * (0.5 + 0.25 * 4)
+    assert passes.pass_cost([1, 1, 8], step)(1) == pytest.approx(pool + 5.0)
+    assert passes.pass_cost([1, 1, 8], step)(4) == pytest.approx(pool + (5.0 + 3.0) * 0.9)  # 2 of GROUP = 4
+    assert passes.pass_cost([8, 8, 8, 8], step)(4) == pytest.approx(2.0 * (0.5 + 0.25 * 5) + 20.0 * 0.7 + 3.0)
 
 
 def test_a_pass_groups_calls_of_one_kind():
