@@ -121,18 +121,22 @@ class SharedPasses:
         if not other_rows:
             return costs
         base, per_call = self.pool_costs
-        pool = costs(1) * (base + per_call * (len(other_rows) + 1))
         wider = [costs(r) for r in other_rows if r > 1]
-
-        def seconds(rows: int) -> float:
-            calls = wider + [costs(rows)] if rows > 1 else wider
-            return pool + sum(self.group_cost(calls[i:i + GROUP]) for i in range(0, len(calls), GROUP))
-        return seconds
+        full = len(wider) - len(wider) % GROUP  # the others' calls in full groups; a wider call joins the rest
+        fixed = costs(1) * (base + per_call * (len(other_rows) + 1)) + sum(
+            self.group_cost(wider[i:i + GROUP]) for i in range(0, full, GROUP))
+        rest = wider[full:]
+        plain, rest_steps, share = fixed + self.group_cost(rest), sum(rest), self.share(len(rest) + 1)
+        return lambda rows: plain if rows == 1 else fixed + (rest_steps + costs(rows)) * share
 
     def group_cost(self, steps: list[float]) -> float:
-        """Seconds of a group of wider calls whose steps alone take `steps`: from all of them (one call) down to
-        group_share of them (GROUP calls), in proportion."""
-        return sum(steps) * (1 - (1 - self.group_share) * (len(steps) - 1) / (GROUP - 1))
+        """Seconds of a group of wider calls whose steps alone take `steps`."""
+        return sum(steps) * self.share(len(steps))
+
+    def share(self, calls: int) -> float:
+        """What a group of `calls` wider calls costs, as a share of their steps one after another: from 1 (one call)
+        to group_share (GROUP calls), in proportion."""
+        return 1 - (1 - self.group_share) * (calls - 1) / (GROUP - 1)
 
     def compile_missing(self, model: Transformer, pool_calls: list[ForwardCall]) -> None:
         """Compile every kind of pass not kept yet, at once (saved_graphs.compile_at_once: about half the time), each
