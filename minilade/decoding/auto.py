@@ -56,9 +56,10 @@ RECYCLE_WIDTHS = (None, 2, 1, 1)  # children per node at each depth of the recyc
 class SharedPasses(Protocol):
     """The forward passes a generation shares with others (a server's engine): what they feed, and what it will."""
 
-    def others(self, costs: StepCosts) -> tuple[Callable[[int], float], float]:
+    def others(self, costs: StepCosts) -> tuple[Callable[[int], float], float, float]:
         """The next pass as the other generations feed it: its seconds as a function of the rows this generation
-        feeds (one generation's step alone costing `costs`), and the tokens the others' rows are expected to emit."""
+        feeds (one generation's step alone costing `costs`), the tokens the others' rows are expected to emit, and
+        the pass's tokens per second were every generation in it to feed one row."""
 
     def plan(self, rows: int, expected: float) -> None:
         """This generation's next step feeds `rows` rows and is expected to emit `expected` tokens."""
@@ -134,7 +135,8 @@ class Auto(WindowAndPool, Strategy):
 
 
 def best_plan(chances: list[float], costs: Callable[[int], float], budget: int, window_rows: int | None = None,
-              window_gain: float = 0.0, other_tokens: float = 0.0) -> tuple[bool, int, float]:
+              window_gain: float = 0.0, other_tokens: float = 0.0, all_plain: float = 0.0
+              ) -> tuple[bool, int, float]:
     """(with the window, b, expected tokens): feed x and the first b nodes of `chances` (ranked, ancestors first),
     and the window of window_rows rows (x included) too if that pays, so that expected tokens per second, under
     `costs` (seconds of the step as a function of its rows), are highest and no step feeds more than `budget` rows.
@@ -144,11 +146,14 @@ def best_plan(chances: list[float], costs: Callable[[int], float], budget: int, 
     In a forward pass shared with other generations (a server's), `costs` is the whole pass's, as a function of
     this generation's rows (SharedPasses.others), and other_tokens the tokens the others' rows are expected to emit:
     the pass's worth is all their tokens, so a draft row pays only if it adds more to the pass's tokens per second
-    than it slows every generation in it."""
+    than it slows every generation in it; and a drafted plan must also beat all_plain, the pass's tokens per second
+    with every generation plain. Weighing its plans against the others' as they are, each generation may find
+    drafting best because the others draft, where all of them would be faster plain (in compiled shared passes the
+    last one-row call of a pass costs a whole step of its own): all_plain is what they would all go back to."""
     expected = [1.0]
     for c in chances:
         expected.append(expected[-1] + c)
-    best, score = (False, 0, 1.0), (other_tokens + 1.0) / costs(1)
+    best, score = (False, 0, 1.0), max((other_tokens + 1.0) / costs(1), all_plain)
     bases = [(False, 1)] + ([(True, window_rows)] if window_rows is not None else [])
     for with_window, base in bases:
         for b in range(min(len(chances), budget - base) + 1):
@@ -272,9 +277,10 @@ class AutoDecoder(Decoder):
         ranked = tree.ranked()
         window_rows = self.window_shape.n_base if window_fits(self.ctx, self.layout) else None
         window_gain = self.window_credit / self.window_steps
-        costs, other_tokens = self.shared.others(self.costs) if self.shared is not None else (self.costs, 0.0)
+        costs, other_tokens, all_plain = (self.shared.others(self.costs) if self.shared is not None
+                                          else (self.costs, 0.0, 0.0))
         with_window, b, expected = best_plan([tree.chance[i] for i in ranked], costs, self.budget, window_rows,
-                                             window_gain, other_tokens)
+                                             window_gain, other_tokens, all_plain)
         self.window_credit *= self.DECAY
         self.window_steps *= self.DECAY
         if b or with_window:

@@ -57,8 +57,8 @@ class SharedPasses:
                                   mark=mark_pass_sizes)
         self.pool = CachePool(model)
         self.refused: set[str] = set()  # kinds whose graph refused a pass (unless_refused)
-        # A pool pass of k >= 2 one-row calls costs (base + per_call * k) one-row steps; a group of GROUP wider
-        # calls costs group_share of their steps one after another (measure_passes, in checked).
+        # A pool pass of k >= 2 one-row calls costs (base + per_call * k) one-row steps; each wider call of a group
+        # but the dearest, group_share of its step alone (measure_passes, in checked).
         self.pool_costs, self.group_share = (1.0, 0.5), 1.0
 
     @classmethod
@@ -106,37 +106,32 @@ class SharedPasses:
         passes.pool_costs, passes.group_share = measure_passes(model, passes)
         return passes
 
-    def pass_cost(self, other_rows: list[int], costs: Callable[[int], float]) -> Callable[[int], float]:
-        """planner.PassCost: seconds of a pass whose other generations feed other_rows, by the rows this one feeds,
-        one call's step alone costing costs(rows): the pool's pass over a slot for every generation (pool_costs),
-        then the wider calls in groups of up to GROUP, as groups() makes them, a group of g calls costing between
-        their steps one after another (g = 1) and group_share of them (g = GROUP). A lone generation costs its own
-        step.
-
-        The pool's pass is counted whether or not any call of this pass is one-row: it is where the generations
-        return once drafts stop paying. Counted only where it runs, a generation whose call is the last one-row call
-        of the pass would see it as its own step, dearer than a slot of the pool's pass, so generations that draft
-        together would go on drafting where every one of them decoding plainly in the pool's pass is faster (on
-        HumanEval at eight clients, auto served x0.89 of plain decoding so, mostly in passes of seven wider calls)."""
+    def pass_cost(self, other_rows: list[int], eager_rows: list[int], costs: Callable[[int], float]
+                  ) -> Callable[[int], float]:
+        """planner.PassCost: seconds of a pass whose other generations feed other_rows in decoding calls and
+        eager_rows in parts of their prompts, by the rows this one feeds, one call's step alone costing costs(rows),
+        the passes as groups() makes them: the pool's pass where two one-row calls or more share it (pool_costs,
+        over a slot for every decoding generation: one whose call is wider keeps its slot and goes along with a
+        dummy row), a lone one-row call its own step; the wider calls in groups of up to GROUP (group_cost); the
+        prompts' parts, one eager pass of all their rows. A lone generation costs its own step."""
+        prompts = costs(sum(eager_rows)) if eager_rows else 0.0
         if not other_rows:
-            return costs
+            return lambda rows: prompts + costs(rows)
         base, per_call = self.pool_costs
+        pool = costs(1) * (base + per_call * (len(other_rows) + 1))
+        ones = sum(r == 1 for r in other_rows)  # the others' one-row calls
         wider = [costs(r) for r in other_rows if r > 1]
         full = len(wider) - len(wider) % GROUP  # the others' calls in full groups; a wider call joins the rest
-        fixed = costs(1) * (base + per_call * (len(other_rows) + 1)) + sum(
-            self.group_cost(wider[i:i + GROUP]) for i in range(0, full, GROUP))
+        fixed = prompts + sum(self.group_cost(wider[i:i + GROUP]) for i in range(0, full, GROUP))
         rest = wider[full:]
-        plain, rest_steps, share = fixed + self.group_cost(rest), sum(rest), self.share(len(rest) + 1)
-        return lambda rows: plain if rows == 1 else fixed + (rest_steps + costs(rows)) * share
+        plain = fixed + (pool if ones else costs(1)) + self.group_cost(rest)
+        drafted = fixed + (pool if ones > 1 else costs(1) if ones else 0.0)
+        return lambda rows: plain if rows == 1 else drafted + self.group_cost(rest + [costs(rows)])
 
     def group_cost(self, steps: list[float]) -> float:
-        """Seconds of a group of wider calls whose steps alone take `steps`."""
-        return sum(steps) * self.share(len(steps))
-
-    def share(self, calls: int) -> float:
-        """What a group of `calls` wider calls costs, as a share of their steps one after another: from 1 (one call)
-        to group_share (GROUP calls), in proportion."""
-        return 1 - (1 - self.group_share) * (calls - 1) / (GROUP - 1)
+        """Seconds of a group of wider calls whose steps alone take `steps`: the dearest step, and group_share of
+        each other one (the group reads the weights once for all of them)."""
+        return max(steps) + self.group_share * (sum(steps) - max(steps)) if steps else 0.0
 
     def compile_missing(self, model: Transformer, pool_calls: list[ForwardCall]) -> None:
         """Compile every kind of pass not kept yet, at once (saved_graphs.compile_at_once: about half the time), each
@@ -227,12 +222,12 @@ class SharedPasses:
 
 def measure_passes(model: Transformer, passes: SharedPasses, repeats: int = 5) -> tuple[tuple[float, float], float]:
     """((base, per_call), group_share): a pool pass of k one-row calls costs (base + per_call * k) one-row steps,
-    and a group of GROUP wider calls group_share of their steps one after another. From the median times of pool
-    passes of two and four one-row calls, a one-row step alone, a group of GROUP lookahead-shaped calls of
-    MEASURED_ROWS rows and those calls alone, measured round-robin after a warm-up round. Every call reads a cache of
-    the same length (that of step_costs' measured steps, where the context holds it), since a pool pass attends over
-    its widest slot's length: from calls over caches of unequal lengths, the pass of four would also pay for a wider
-    slot, and per_call come out 1.5-2x what a slot costs."""
+    and each wider call of a group but the dearest group_share of its step alone (SharedPasses.group_cost). From
+    the median times of pool passes of two and four one-row calls, a one-row step alone, a group of GROUP
+    lookahead-shaped calls of MEASURED_ROWS rows and those calls alone, measured round-robin after a warm-up round.
+    Every call reads a cache of the same length (that of step_costs' measured steps, where the context holds it),
+    since a pool pass attends over its widest slot's length: from calls over caches of unequal lengths, the pass of
+    four would also pay for a wider slot, and per_call come out 1.5-2x what a slot costs."""
     past = max(1, min(MEASURED_CONTEXT, model.config.max_seq_len - MEASURED_ROWS - PROBE_ROOM))
     ones, wider = calls_over(model, [(past, 1)] * 4), calls_over(model, [(past, MEASURED_ROWS)] * GROUP)
     runs = {"alone": lambda: one_after_another(model, ones[:1]), "two": lambda: passes.pool.run(ones[:2]),
@@ -250,7 +245,8 @@ def measure_passes(model: Transformer, passes: SharedPasses, repeats: int = 5) -
         passes.pool.release(call.cache)
     one, two, four, group, steps = (sorted(seconds[name])[repeats // 2] for name in runs)
     per_call = max(0.0, (four - two) / 2 / one)  # not below 0 where a noisy machine says so
-    return (max(0.0, two / one - 2 * per_call), per_call), min(1.0, group / steps)
+    step = steps / GROUP  # the calls are of one size
+    return (max(0.0, two / one - 2 * per_call), per_call), min(1.0, max(0.0, (group - step) / (steps - step)))
 
 
 MEASURED_CONTEXT = 256  # cache rows the measured passes' calls read (step_costs measures its steps after as many)

@@ -328,7 +328,7 @@ class Engine:
                 except ValueError as error:
                     call.answer(error=error)
                     continue
-                slot.member.fed(ready[-1][1].T)
+                slot.member.fed(ready[-1][1].T, eager=not runs_compiled(model, call.forward))
             if not ready:
                 return
             try:

@@ -24,36 +24,41 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-# pass_cost(rows of each other generation, one generation's step costs) -> the pass's seconds as a function of the
-# rows this generation feeds (called for every plan a step weighs: the others' part is summed once)
-PassCost = Callable[[list[int], Callable[[int], float]], Callable[[int], float]]
+# pass_cost(rows of the others' decoding calls, rows of their calls that run eagerly (prompt parts), one
+# generation's step costs) -> the pass's seconds as a function of the rows this generation feeds (called for every
+# plan a step weighs: the others' part is summed once)
+PassCost = Callable[[list[int], list[int], Callable[[int], float]], Callable[[int], float]]
 
 
 class PassPlans:
-    """What each running generation feeds to the engine's passes: rows, and the tokens they are expected to emit."""
+    """What each running generation feeds to the engine's passes: rows, the tokens they are expected to emit, and
+    whether they run eagerly whatever the model's steps (a part of a prompt's prefill)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._fed: dict[object, tuple[int, float]] = {}
+        self._fed: dict[object, tuple[int, float, bool]] = {}
 
-    def record(self, member: object, rows: int, tokens: float) -> None:
+    def record(self, member: object, rows: int, tokens: float, eager: bool = False) -> None:
         with self._lock:
-            self._fed[member] = (rows, tokens)
+            self._fed[member] = (rows, tokens, eager)
 
     def leave(self, member: object) -> None:
         with self._lock:
             self._fed.pop(member, None)
 
-    def others(self, member: object) -> tuple[list[int], float]:
-        """The rows of each generation but `member`, and the tokens they are expected to emit in all."""
+    def others(self, member: object) -> tuple[list[int], list[int], float]:
+        """The rows of each generation but `member` (decoding calls, then eager ones), and the tokens they are
+        expected to emit in all."""
         with self._lock:
             fed = [value for key, value in self._fed.items() if key is not member]
-        return [rows for rows, _ in fed], sum(tokens for _, tokens in fed)
+        return ([rows for rows, _, eager in fed if not eager], [rows for rows, _, eager in fed if eager],
+                sum(tokens for _, tokens, _ in fed))
 
 
-def rows_together(other_rows: list[int], costs: Callable[[int], float]) -> Callable[[int], float]:
+def rows_together(other_rows: list[int], eager_rows: list[int], costs: Callable[[int], float]
+                  ) -> Callable[[int], float]:
     """PassCost of a pass in which every row goes through the layers together: one step of all the rows."""
-    others = sum(other_rows)
+    others = sum(other_rows) + sum(eager_rows)
     return lambda rows: costs(others + rows)
 
 
@@ -64,19 +69,23 @@ class PassMember:
     def __init__(self, plans: PassPlans, pass_cost: PassCost = rows_together) -> None:
         self.plans, self.pass_cost, self.planning = plans, pass_cost, False
 
-    def others(self, costs: Callable[[int], float]) -> tuple[Callable[[int], float], float]:
-        """auto.SharedPasses.others: the pass's seconds by this generation's rows, and the others' tokens."""
-        other_rows, tokens = self.plans.others(self)
-        return self.pass_cost(other_rows, costs), tokens
+    def others(self, costs: Callable[[int], float]) -> tuple[Callable[[int], float], float, float]:
+        """auto.SharedPasses.others: the pass's seconds by this generation's rows, the others' tokens, and the pass's
+        tokens per second were every decoding generation to feed one row (a prompt's part counts its rows as
+        tokens of work, as in the others' tokens)."""
+        other_rows, eager_rows, tokens = self.plans.others(self)
+        plain_pass = self.pass_cost([1] * len(other_rows), eager_rows, costs)(1)
+        return (self.pass_cost(other_rows, eager_rows, costs), tokens,
+                (len(other_rows) + 1 + sum(eager_rows)) / plain_pass)
 
     def plan(self, rows: int, expected: float) -> None:
         self.planning = True
         self.plans.record(self, rows, expected)
 
-    def fed(self, rows: int) -> None:
-        """The engine ran a call of `rows` rows for this generation."""
+    def fed(self, rows: int, eager: bool = False) -> None:
+        """The engine ran a call of `rows` rows for this generation (eagerly: a part of its prompt's prefill)."""
         if not self.planning:
-            self.plans.record(self, rows, rows)
+            self.plans.record(self, rows, rows, eager)
 
     def leave(self) -> None:
         self.plans.leave(self)

@@ -311,6 +311,10 @@ def test_best_plan_for_a_shared_pass_weighs_every_row_in_it() -> None:
     assert best_plan(chances, lambda rows: costs(7 + rows), budget=64, other_tokens=7.0)[:2] == (False, 2)
     assert best_plan(chances, lambda rows: costs(60 + rows), budget=64, other_tokens=60.0)[:2] == (False, 0)
     assert best_plan(chances, lambda rows: 1.0, budget=64, other_tokens=60.0)[:2] == (False, 5)
+    # a plan that pays against the others as they are, but not against every generation plain: no drafts
+    drafted = (1 + 0.9 + 0.8 + 0.5) / costs(4)
+    assert best_plan(chances, costs, budget=64, all_plain=drafted * 0.99)[:2] == (False, 3)
+    assert best_plan(chances, costs, budget=64, all_plain=drafted)[:2] == (False, 0)
 
 
 class Crowd:
@@ -322,7 +326,7 @@ class Crowd:
 
     def others(self, costs):
         rows, tokens = self.fed
-        return (lambda mine: costs(rows + mine)), tokens
+        return (lambda mine: costs(rows + mine)), tokens, 0.0
 
     def plan(self, rows: int, expected: float) -> None:
         self.plans.append(rows)

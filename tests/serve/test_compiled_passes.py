@@ -186,20 +186,25 @@ def test_a_context_too_short_for_the_probes_leaves_compiled_calls_one_after_anot
 
 
 def test_the_cost_of_a_compiled_pass_is_the_pools_and_each_group_of_wider_calls(llm):
-    """Planning a compiled pass: every generation costs a slot of the pool's pass (measured at the check, in one-row
-    steps: a pass of four dearer than one of two, cheaper than four steps), and the wider calls their steps on top,
-    less in groups (measured: a group of GROUP calls cheaper than its calls one after another); a generation alone
-    costs its own step."""
+    """Planning a compiled pass: where two one-row calls or more share the pool's pass, every generation costs a slot
+    of it (measured at the check, in one-row steps: a pass of four dearer than one of two, cheaper than four steps),
+    a lone one-row call its own step; the wider calls their steps on top, but in a group only the dearest at its full
+    cost (measured: a group of GROUP calls cheaper than its calls one after another); the parts of prompts one eager
+    pass of all their rows; a generation alone its own step."""
     passes = SharedPasses.checked(llm.model)
     base, per_call = passes.pool_costs
     assert 0 < per_call and base + 4 * per_call < 4 and 0 < passes.group_share < 1
-    passes.pool_costs, passes.group_share = (0.5, 0.25), 0.7
-    step = {1: 2.0, 4: 3.0, 8: 5.0}.__getitem__  # seconds of one call's step by rows
-    assert passes.pass_cost([], step)(1) == 2.0 and passes.pass_cost([], step)(4) == 3.0
+    passes.pool_costs, passes.group_share = (0.5, 0.25), 0.5
+    step = {1: 2.0, 4: 3.0, 8: 5.0, 32: 9.0, 64: 15.0}.__getitem__  # seconds of one call's step by rows
+    assert passes.pass_cost([], [], step)(1) == 2.0 and passes.pass_cost([], [], step)(4) == 3.0
     pool = 2.0 * (0.5 + 0.25 * 4)
-    assert passes.pass_cost([1, 1, 8], step)(1) == pytest.approx(pool + 5.0)
-    assert passes.pass_cost([1, 1, 8], step)(4) == pytest.approx(pool + (5.0 + 3.0) * 0.9)  # 2 of GROUP = 4
-    assert passes.pass_cost([8, 8, 8, 8], step)(4) == pytest.approx(2.0 * (0.5 + 0.25 * 5) + 20.0 * 0.7 + 3.0)
+    assert passes.pass_cost([1, 1, 8], [], step)(1) == pytest.approx(pool + 5.0)
+    assert passes.pass_cost([1, 1, 8], [], step)(4) == pytest.approx(pool + 5.0 + 0.5 * 3.0)
+    assert passes.pass_cost([1, 8], [], step)(4) == pytest.approx(2.0 + 5.0 + 0.5 * 3.0)  # a lone one-row call
+    assert passes.pass_cost([8], [], step)(4) == pytest.approx(5.0 + 0.5 * 3.0)  # no one-row call: no pool pass
+    assert passes.pass_cost([8, 8, 8, 8], [], step)(1) == pytest.approx(2.0 + 5.0 + 0.5 * 15.0)
+    assert passes.pass_cost([8, 8, 8, 8], [], step)(4) == pytest.approx(5.0 + 0.5 * 15.0 + 3.0)  # a group of its own
+    assert passes.pass_cost([1], [32, 32], step)(1) == pytest.approx(15.0 + 2.0 * (0.5 + 0.25 * 2))
 
 
 def test_a_pass_groups_calls_of_one_kind():

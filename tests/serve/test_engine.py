@@ -134,11 +134,12 @@ def test_greedy_auto_plans_for_the_pass_and_a_sampled_request_keeps_its_own_plan
 def test_pass_plans_sum_what_the_others_feed():
     plans = PassPlans()
     a, b, c = PassMember(plans), PassMember(plans), PassMember(plans)
-    a.fed(128)  # a prefill chunk (or any call of a generation that does not plan): its rows, each a token of work
+    a.fed(128, eager=True)  # a prefill chunk (or any call of a generation that does not plan): rows, tokens of work
     b.plan(6, 2.5)
     b.fed(6)  # b plans its own steps: what the engine ran does not replace what b expects of them
     def others(member):  # the pass's cost if the member feeds one row, under a step cost of one per row
-        cost, tokens = member.others(lambda rows: float(rows))
+        cost, tokens, all_plain = member.others(lambda rows: float(rows))
+        assert all_plain == 1.0  # under one second a row, every generation plain: a token a second a row
         return cost(1), tokens
     assert others(c) == (135, 130.5) and others(a) == (7, 2.5) and others(b) == (129, 128)
     a.leave()
