@@ -2,18 +2,21 @@
 
 Alone, auto feeds a draft row when the tokens it is expected to add pay for what it adds to the step's cost. In a
 shared pass the step's cost is that of all its rows, and every generation in it waits for them; so a generation
-plans against the pass (decoding/auto.py: best_plan's costs and other_tokens): it feeds the drafts that raise the
-whole pass's expected tokens per second,
+plans against the pass (decoding/auto.py: best_plan's costs, other_tokens and all_plain): it feeds the drafts that
+raise the whole pass's expected tokens per second,
 
     (tokens of the others + 1 + chances fed) / cost of the pass (what the others feed, 1 + nodes fed),
 
-down to none (plain batched decoding) when rows stop paying. What a pass costs depends on how it runs: where every
-row goes through the layers together (eager, batched.py), it is one step's cost of all their rows
-(`rows_together`); where the model's steps are compiled (compiled_pass.py), one-row calls share the pool's pass and
-each wider call costs about its own step (compiled_pass.SharedPasses.pass_cost). What the others feed is what they
-fed or planned last: an auto generation tells its plan before each step (rows, expected tokens); for any other call
-(a plain step, a lookahead step, a prefill chunk) the engine records its rows, each counted as one token of work.
-The plans settle together as each generation answers the others' latest.
+above both its plain step beside what the others feed and the pass with every generation plain (all_plain: where
+one-row calls share a pass far more cheaply than wider ones, generations that draft together may each find
+drafting best only because the others draft), down to none (plain batched decoding) when rows stop paying. What a
+pass costs depends on how it runs: where every row goes through the layers together (eager, batched.py), it is one
+step's cost of all their rows (`rows_together`); where the model's steps are compiled (compiled_pass.py), one-row
+calls share the pool's pass, wider calls go in groups, each pass as measured when the engine starts
+(compiled_pass.SharedPasses.pass_cost), and parts of prompts run in an eager pass of their own. What the others
+feed is what they fed or planned last: an auto generation tells its plan before each step (rows, expected tokens);
+for any other call (a plain step, a lookahead step, a prefill chunk) the engine records its rows, each counted as
+one token of work. The plans settle together as each generation answers the others' latest.
 
 Only greedy generations plan for the pass: their answers do not depend on their plans. A sampled generation's
 draws do (verification draws more or fewer numbers), so it plans as it would alone, to keep its seeded answer.
