@@ -35,10 +35,15 @@ def tracing_config() -> contextlib.AbstractContextManager:
     is called with them apart); floats stay constants (aot_compile cannot restart its analysis when a float becomes a
     tensor); only the sizes marked dynamic (compiled.mark_dynamic_sizes) are, never those that differ between two
     models that ran through compiled.compiled_layers_step (dynamo's automatic dynamic shapes: a subgraph with weights
-    of symbolic sizes fails to trace in torch 2.13)."""
+    of symbolic sizes fails to trace in torch 2.13). The graph's host code asserts no sizes, strides or alignments
+    of its tensors (some 30 checks a layer, in Python): its guards check the inputs' sizes and strides before every
+    call, and the rest are its own buffers and the outputs of our own operators; without the checks a one-row step
+    of the demo model took 0.3-0.4 ms less (of 6.0-6.8 ms for its layers, the two graphs interleaved in one
+    process), an 8-row step 0.4-0.5 ms less."""
     stack = contextlib.ExitStack()
     stack.enter_context(torch._dynamo.config.patch(specialize_float=True, automatic_dynamic_shapes=False))
     stack.enter_context(shape_config.patch(use_duck_shape=False))
+    stack.enter_context(inductor_config.patch(size_asserts=False, alignment_asserts=False))
     return stack
 
 
