@@ -30,10 +30,6 @@ not a tensor: it is not in the module's state_dict.
 
 from __future__ import annotations
 
-import os
-import re
-import sys
-import time
 import warnings
 import weakref
 from collections import deque
@@ -45,7 +41,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .errors import one_line
+from . import native
 
 WEIGHT_LEVELS = 63       # weight codes in [-63, 63]
 ACTIVATION_LEVELS = 127  # activation codes in [-127, 127], handed to the kernel as u8 with zero point 128
@@ -116,7 +112,6 @@ _LAYERS: weakref.WeakValueDictionary[int, W7A8Linear] = weakref.WeakValueDiction
 _LIBRARY = torch.library.Library("minilade", "DEF")
 _LIBRARY.define("w7a8_matmul(Tensor codes, Tensor weight_scales) -> Tensor")
 NATIVE_SOURCE = Path(__file__).parent / "csrc" / "w7a8_matmul.cpp"
-STALE_BUILD_LOCK_S = 600  # a build of it takes seconds: a lock this old was left by a killed one
 
 
 def w7a8_matmul(codes: torch.Tensor, weight_scales: torch.Tensor) -> torch.Tensor:
@@ -136,41 +131,19 @@ def python_body() -> torch.library.Library:
 _BODY: torch.library.Library | None = python_body()  # None once the C++ body replaced it
 
 
-def native_build_folder() -> Path:
-    """Where the C++ operator is built: a folder per torch and Python version (a build is one torch's ABI, and
-    torch.utils.cpp_extension keys its builds on the source only), under torch's extensions folder."""
-    from torch.utils import cpp_extension
-    name = re.sub(r"\W", "_", f"minilade_w7a8_matmul_torch_{torch.__version__}_py{sys.version_info[0]}"
-                                f"{sys.version_info[1]}")
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / name
-
-
 def load_native_matmul() -> str | None:
     """Give minilade::w7a8_matmul its C++ body (NATIVE_SOURCE) in place of the Python one: the same fbgemm call, so
     the same bits, without a Python call in each of a compiled step's matmuls (1.2 ms of a 9.6 ms compiled one-row
-    step of the demo model, docs/benchmarks.md). Built once a machine and torch version by torch.utils.cpp_extension,
-    in its folder (rebuilt when the source changes; a few seconds). Returns None when the C++ body runs, else why
-    the Python body stays."""
+    step of the demo model, docs/benchmarks.md). Built once a machine and torch version (native.build; rebuilt when
+    the source changes; a few seconds). Returns None when the C++ body runs, else why the Python body stays."""
     global _BODY
     if _BODY is None:
         return None
-    from torch.utils import cpp_extension
-    try:
-        cpp_extension.verify_ninja_availability()
-    except RuntimeError:
-        return "no ninja to build the C++ w7a8 operator with"
-    folder = native_build_folder()
     _BODY._destroy()  # before the C++ body registers, or the dispatcher warns of an overridden kernel
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        lock = folder / "lock"
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:  # left by a killed build,
-            lock.unlink(missing_ok=True)  # which cpp_extension would wait for forever
-        cpp_extension.load(name=folder.name, sources=[str(NATIVE_SOURCE)], build_directory=str(folder),
-                           is_python_module=False, extra_cflags=["-O2"])
-    except Exception as error:  # a build fails with whatever its compiler or loader raises
+    missing = native.build("w7a8_matmul", NATIVE_SOURCE, ["-O2"], what="w7a8")
+    if missing:
         _BODY = python_body()
-        return f"the C++ w7a8 operator did not build: {one_line(error)[:300]}"
+        return missing
     _BODY = None
     for layer in list(_LAYERS.values()):
         layer._register()

@@ -208,11 +208,11 @@ def test_a_cpp_body_that_does_not_build_leaves_the_python_body_in_place() -> Non
 
 STALE_LOCK = """
 import os, sys
-from minilade import integer_linear
-lock = integer_linear.native_build_folder() / "lock"
+from minilade import integer_linear, native
+lock = native.build_folder("w7a8_matmul") / "lock"
 lock.parent.mkdir(parents=True)
 lock.touch()
-old = os.path.getmtime(lock) - integer_linear.STALE_BUILD_LOCK_S - 1
+old = os.path.getmtime(lock) - native.STALE_BUILD_LOCK_S - 1
 os.utime(lock, (old, old))
 print(integer_linear.load_native_matmul(), lock.exists())
 """
