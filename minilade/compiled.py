@@ -14,7 +14,9 @@ order of any row's sums (`chunked_attention`); weight matmuls are inductor's ext
 over all rows, whose rows the load-time check (device.check_invariance, run through this runner) finds the same at
 every row count. A compiled step does not round as the eager step does (inductor fuses and vectorises its own
 element-wise code), so a model runs all its steps compiled or none: greedy lookahead and auto then give plain
-decoding's output through compiled steps, as they do eagerly.
+decoding's output through compiled steps, as they do eagerly. Where the C++ operator of attention_op.py is loaded
+(float32 steps), each layer's attention ends with it: the chunks' weighted sums of the values in one operator, in
+an order of its own that is the same for a row at every width (step_attention).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import attention_op
 from .decoding.step_costs import cost_key
 from .errors import one_line
 from .frame_stack import on_fresh_frame_chunk
@@ -64,14 +67,10 @@ def chunked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     each chunk sum is one matmul over its keys in slot order, hidden keys weighing exactly 0.
     """
     B, H, T, D = q.shape
-    Hkv = keys.shape[1]
-    G = H // Hkv
-    R, Sp = key_bias.shape
-    work = work_dtype(q.dtype)
-    qs = F.pad(q.reshape(B, Hkv, G * T, D).to(work) * (D ** -0.5 * LOG2_E), (0, 0, 0, R - G * T))
-    scores = qs @ keys.to(work).transpose(-1, -2) + key_bias  # (B, Hkv, R, Sp)
-    weights = (scores - scores.amax(-1, keepdim=True)).exp2()  # exactly 0 where hidden
-    v1 = values.to(work)
+    G = H // keys.shape[1]
+    Sp = key_bias.shape[-1]
+    weights = attention_weights(q, keys, key_bias)  # (B, Hkv, R, Sp)
+    v1 = values.to(work_dtype(q.dtype))
     n = Sp // KEY_CHUNK
     w = (weights * shared).unflatten(-1, (n, KEY_CHUNK)).transpose(2, 3)  # (B, Hkv, n, R, C)
     chunk_sums = w @ v1.unflatten(2, (n, KEY_CHUNK))  # (B, Hkv, n, R, Dp)
@@ -83,6 +82,20 @@ def chunked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     # input rounding) then finds each element by constant divisions, not by divisions by the step's dynamic sizes
     # (4.5 of 28 ms of a 32-row step of the demo model; the same bits either way).
     return out.unflatten(2, (G, T)).flatten(1, 2).to(q.dtype)
+
+
+def attention_weights(q: torch.Tensor, keys: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
+    """The softmax numerators of chunked_attention: q (B, H, T, D), keys (B, Hkv, Sp, D), key_bias (B|1, R, Sp) or
+    (R, Sp) -> (B, Hkv, R, Sp) in the work dtype, exactly 0 where a row does not see a key. Row g * T + t of key-value
+    head h is query head h * G + g's row t; rows past G * T are padding (R is the layout's)."""
+    B, H, T, D = q.shape
+    Hkv = keys.shape[1]
+    G = H // Hkv
+    R = key_bias.shape[-2]
+    work = work_dtype(q.dtype)
+    qs = F.pad(q.reshape(B, Hkv, G * T, D).to(work) * (D ** -0.5 * LOG2_E), (0, 0, 0, R - G * T))
+    scores = qs @ keys.to(work).transpose(-1, -2) + key_bias  # (B, Hkv, R, Sp)
+    return (scores - scores.amax(-1, keepdim=True)).exp2()
 
 
 def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
@@ -97,7 +110,22 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     keys.index_copy_(2, slots, k.to(keys.dtype))
     ones = v.new_ones(*v.shape[:-1], 1)
     values.index_copy_(2, slots, F.pad(torch.cat([v, ones], -1), (0, values.shape[-1] - D - 1)).to(values.dtype))
-    return chunked_attention(q, keys, values, *step_layout)
+    return step_attention(q, keys, values, *step_layout)
+
+
+def step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_bias: torch.Tensor,
+                   shared: torch.Tensor, tail_keys: torch.Tensor, tail_select: torch.Tensor) -> torch.Tensor:
+    """chunked_attention's sums (its arguments and result), ended by the C++ operator where it is loaded and the step
+    computes in float32 (attention_op.py: the chunks' sums of the values where they lie, in one operator), else
+    chunked_attention. The two round each their own way, and each gives a row the same bits at every width of
+    step."""
+    if not (attention_op.loaded() and q.dtype == keys.dtype == values.dtype == torch.float32):
+        return chunked_attention(q, keys, values, key_bias, shared, tail_keys, tail_select)
+    B, H, T, D = q.shape
+    G = H // keys.shape[1]
+    out = torch.ops.minilade_attention.weighted_sums(q, attention_weights(q, keys, key_bias), values, shared[None],
+                                                     tail_keys[None], tail_select[None], KEY_CHUNK)
+    return out.unflatten(2, (G, T)).flatten(1, 2)  # (B, Hkv, G * T, D) -> (B, H, T, D)
 
 
 def layer_step(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -223,12 +251,16 @@ class CompiledSteps:
     def __init__(self, model: Transformer, graphs: Path | None = None) -> None:
         """graphs: a folder to keep the graphs in between processes (SavedGraphs); None: traced in this process."""
         self.groups = model.config.n_heads // model.config.n_kv_heads
-        # In the keys under which step costs and verdicts are kept (step_costs.cost_key), with the digest of the
-        # code the graphs are traced from: a verdict holds for the code it checked.
-        self.name = f"compiled {traced_code_digest()[:12]}"
         self.graphs = graphs
         self.run_layers: Callable[..., torch.Tensor] | None = None if graphs is not None else compiled_layers_step()
         self.layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # per cache: layer_views
+
+    @property
+    def name(self) -> str:
+        """In the keys under which step costs, verdicts and graphs are kept (step_costs.cost_key): the digest of the
+        code the graphs are traced from (a verdict holds for the code it checked), and whether they attend through
+        the C++ operator (its rounding is its own)."""
+        return f"compiled {traced_code_digest()[:12]}{' attention op' if attention_op.loaded() else ''}"
 
     def __call__(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
                  mask: torch.Tensor | None, logits_rows: torch.Tensor | None) -> torch.Tensor:
@@ -365,6 +397,9 @@ def compile_steps(model: Transformer, graphs: Path | None = None) -> Transformer
                 tiling = find_tiling(module.weight, packed=False)
                 rows[key] = tiling.rows if tiling is not None and not tiling.split else 1  # the check says
             module.graph_rows = rows[key]
+    missing = attention_op.load()
+    if missing:
+        print(f"minilade: compiled steps attend through torch operations ({missing})", file=sys.stderr)
     if any(isinstance(module, W7A8Linear) for module in model.modules()):
         missing = load_native_matmul()
         if missing:

@@ -22,14 +22,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .compiled import mark_dims
-from .invariance import KEY_CHUNK, LOG2_E, work_dtype
+from . import attention_op
+from .compiled import attention_weights, mark_dims
+from .invariance import KEY_CHUNK, work_dtype
 from .model import Block
 
 
 def pool_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_bias: torch.Tensor,
                    shared: torch.Tensor, tail_keys: torch.Tensor, tail_select: torch.Tensor) -> torch.Tensor:
-    """compiled.chunked_attention for B one-row steps, each over its own slot of the keys with its own layout.
+    """compiled.step_attention for B one-row steps, each over its own slot of the keys with its own layout: the C++
+    operator, handed each slot's layout, where compiled steps attend through it, else chunked_attention's sums.
 
     q: (B, H, 1, D); keys: (B, Hkv, Sp, D), values: (B, Hkv, Sp, value_columns(D)), Sp a multiple of KEY_CHUNK;
     each slot's graph_layout padded to Sp (stack_layouts): key_bias (B, R, Sp), shared (B, Sp), tail_keys (B, C)
@@ -38,11 +40,12 @@ def pool_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ke
     Hkv = keys.shape[1]
     G = H // Hkv
     R, Sp, C = key_bias.shape[1], key_bias.shape[2], tail_keys.shape[1]
-    work = work_dtype(q.dtype)
-    qs = F.pad(q.reshape(B, Hkv, G * T, D).to(work) * (D ** -0.5 * LOG2_E), (0, 0, 0, R - G * T))
-    scores = qs @ keys.to(work).transpose(-1, -2) + key_bias[:, None]  # (B, Hkv, R, Sp)
-    weights = (scores - scores.amax(-1, keepdim=True)).exp2()  # exactly 0 where hidden
-    v1 = values.to(work)
+    weights = attention_weights(q, keys, key_bias[:, None])  # (B, Hkv, R, Sp)
+    if attention_op.loaded() and q.dtype == keys.dtype == values.dtype == torch.float32:
+        out = torch.ops.minilade_attention.weighted_sums(q, weights, values, shared, tail_keys, tail_select,
+                                                         KEY_CHUNK)
+        return out.unflatten(2, (G, T)).flatten(1, 2)
+    v1 = values.to(work_dtype(q.dtype))
     n = Sp // KEY_CHUNK
     w = (weights * shared[:, None, None]).unflatten(-1, (n, KEY_CHUNK)).transpose(2, 3)  # (B, Hkv, n, R, C)
     chunk_sums = w @ v1.unflatten(2, (n, KEY_CHUNK))  # (B, Hkv, n, R, Dp)

@@ -26,7 +26,7 @@ from .errors import one_line
 GRAPHS_FOLDER = "graphs"  # where saved graphs are kept: beside the kept tables (compile_policy.choose_steps)
 # The modules whose code a layer's graph is traced from (a saved graph is kept per digest of them: SavedGraphs).
 TRACED_FROM = ("compiled.py", "saved_graphs.py", "model.py", "invariance.py", "integer_linear.py", "quant.py",
-               "kv_cache.py", "pool_step.py")
+               "kv_cache.py", "pool_step.py", "attention_op.py", "csrc/weighted_sums.cpp")
 
 
 def tracing_config() -> contextlib.AbstractContextManager:
