@@ -3,8 +3,8 @@
 For one weight configuration: the load-time exactness check run through the compiled steps (and the seconds it and
 the first compiles took), then milliseconds of a step of T rows after 100 committed tokens, the rows masked as a
 lookahead step's, eager and compiled interleaved in one process (medians of 7 after a warm-up); and the one-row
-step against the weight-read floor: the bytes of the model's weights over the memory read bandwidth measured here
-(a sum over a 1 GiB buffer, median of 5).
+step against the weight-read floor: the bytes of weights a step reads over the memory read bandwidth measured here
+(one_token_step's: a sum over a 1 GiB buffer, median of 5).
 
     python -m scripts.bench.compiled_steps int4     # or float32, bfloat16, int8, w7a8
 """
@@ -22,9 +22,8 @@ from minilade.compiled import compile_steps
 from minilade.device import check_invariance
 from minilade.llm import LLM
 from minilade.masks import interleaved_step
-from minilade.quant import weight_bytes
 
-from .one_token_step import cpu_flags
+from .one_token_step import cpu_flags, read_bandwidth, step_weight_bytes
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -50,17 +49,6 @@ def step_ms(model, runner, sizes=SIZES, repeats: int = 7, past: int = 100) -> di
     return {T: {k: round(statistics.median(v) * 1e3, 1) for k, v in s.items()} for T, s in samples.items()}
 
 
-def read_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> float:
-    """Bytes per second a sum over an nbytes float32 buffer reads (median of repeats, after one warm-up)."""
-    buffer = torch.ones(nbytes // 4)
-    seconds = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        buffer.sum()
-        seconds.append(time.perf_counter() - start)
-    return nbytes / statistics.median(seconds[1:])
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("weights", choices=["float32", "bfloat16", "int8", "int4", "w7a8"])
@@ -79,12 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     print("| rows | eager ms | compiled ms |\n| --- | --- | --- |")
     for T, ms in result["ms"].items():
         print(f"| {T} | {ms['eager']} | {ms['compiled']} |")
-    bandwidth, weights = read_bandwidth(), weight_bytes(model)
-    floor_ms = weights / bandwidth * 1e3
-    result.update(read_gb_s=round(bandwidth / 1e9, 1), weight_mb=round(weights / 2**20), floor_ms=round(floor_ms, 1),
+    bandwidth, weights = read_bandwidth(1024), step_weight_bytes(model)  # GB/s, bytes
+    floor_ms = weights / (bandwidth * 1e9) * 1e3
+    result.update(read_gb_s=round(bandwidth, 1), weight_mb=round(weights / 1e6, 1), floor_ms=round(floor_ms, 1),
                   one_row_vs_floor={k: round(v / floor_ms, 2) for k, v in result["ms"][1].items()})
-    print(f"weights {result['weight_mb']} MiB, read bandwidth {result['read_gb_s']} GB/s: floor {floor_ms:.1f} ms a "
-          f"token; the one-row step is x{result['one_row_vs_floor']['compiled']} of it compiled, "
+    print(f"weights a step reads {result['weight_mb']} MB, read bandwidth {result['read_gb_s']} GB/s: floor "
+          f"{floor_ms:.1f} ms a token; the one-row step is x{result['one_row_vs_floor']['compiled']} of it compiled, "
           f"x{result['one_row_vs_floor']['eager']} eager")
     print(json.dumps(result))
     return 0
