@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minilade import Auto, Autoregressive, Lookahead, compile_policy, compiled, saved_graphs
+from minilade import Auto, Autoregressive, Lookahead, attention_op, compile_policy, compiled, saved_graphs
 from minilade.compile_policy import choose_steps
 from minilade.compiled import chunked_attention, compile_steps, graph_layout
 from minilade.config import ModelConfig
@@ -49,6 +49,16 @@ def test_compiled_rows_are_the_same_at_every_row_count(kind: str) -> None:
     and a lookahead step's interleaved rows (the load-time check, run through the compiled graphs)."""
     model = compiled_model(kind)
     assert model.step_runner is not None
+    assert check_invariance(model, contexts=(5, 70))
+
+
+def test_compiled_rows_keep_their_bits_where_the_attention_operator_does_not_build(monkeypatch) -> None:
+    """Without the C++ operator (attention_op.py), float32 steps attend through chunked_attention, exact too, and
+    the runner's name (under which verdicts and graphs are kept) says which."""
+    monkeypatch.setattr(attention_op, "load", lambda: "the C++ attention operator did not build: a test's")
+    monkeypatch.setattr(attention_op, "_loaded", False)
+    model = compiled_model("float32")
+    assert "attention op" not in model.step_runner.name
     assert check_invariance(model, contexts=(5, 70))
 
 
