@@ -100,7 +100,7 @@ def attention_weights(q: torch.Tensor, keys: torch.Tensor, key_bias: torch.Tenso
 
 def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
                     values: torch.Tensor, *step_layout: torch.Tensor) -> torch.Tensor:
-    """A layer's attention in a step: the rows' keys and values written into the cache, then chunked_attention.
+    """A layer's attention in a step: the rows' keys and values written into the cache, then step_attention.
 
     q: (B, H, T, D); k, v: (B, Hkv, T, D); slots: (T,) long, the cache slots the rows are written to
     (cache.length + arange(T)); keys, values: this layer's buffers of a PaddedKVCache cut to the step's first Sp
