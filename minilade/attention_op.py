@@ -45,6 +45,12 @@ def loaded() -> bool:
     return _loaded
 
 
+def serves(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether the operator ends an attention over these queries, keys and values: loaded, and all of them float32
+    (it computes in float32 only; other dtypes keep compiled.chunked_attention)."""
+    return _loaded and q.dtype == keys.dtype == values.dtype == torch.float32
+
+
 def _shape(q: torch.Tensor, weights: torch.Tensor, values: torch.Tensor, shared: torch.Tensor,
            tail_keys: torch.Tensor, tail_select: torch.Tensor, key_chunk: int) -> torch.Tensor:
     B, H, T, D = q.shape

@@ -119,7 +119,7 @@ def step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ke
     computes in float32 (attention_op.py: the chunks' sums of the values where they lie, in one operator), else
     chunked_attention. The two round each their own way, and each gives a row the same bits at every width of
     step."""
-    if not (attention_op.loaded() and q.dtype == keys.dtype == values.dtype == torch.float32):
+    if not attention_op.serves(q, keys, values):
         return chunked_attention(q, keys, values, key_bias, shared, tail_keys, tail_select)
     B, H, T, D = q.shape
     G = H // keys.shape[1]

@@ -41,7 +41,7 @@ def pool_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ke
     G = H // Hkv
     R, Sp, C = key_bias.shape[1], key_bias.shape[2], tail_keys.shape[1]
     weights = attention_weights(q, keys, key_bias[:, None])  # (B, Hkv, R, Sp)
-    if attention_op.loaded() and q.dtype == keys.dtype == values.dtype == torch.float32:
+    if attention_op.serves(q, keys, values):
         out = torch.ops.minilade_attention.weighted_sums(q, weights, values, shared, tail_keys, tail_select,
                                                          KEY_CHUNK)
         return out.unflatten(2, (G, T)).flatten(1, 2)
