@@ -6,13 +6,19 @@ which inductor turns into three external matmuls, a cumulative sum and a few gen
 the values into the layout the chunks' matmul takes: 1.8 of 7.3 ms of a one-row step of the demo model, 3.0 of
 9.2 ms of an 8-row one (the layers' graph with and without attention, interleaved in one process). The operator
 takes the rows' softmax numerators (the scores stay one matmul in the graph) and computes the chunks' weighted sums
-of the values where they lie, each row's in an order that depends on nothing but the row's keys (the source's header
-says how), so a row's result is the same at every width of step, as chunked_attention's is. Its rounding is not
-chunked_attention's, so a model whose steps are compiled runs them all through the operator or none (the exactness
-check and the graphs are kept per runner, whose name says which: compiled.CompiledSteps). Built for this processor
-(-march=native) on first use. With it the demo model's layers took 0.7 ms less a step after 100 tokens (5.6 against
-6.3 ms at one row, 7.0 against 7.7 at eight) and 1.4 / 2.5 ms less after 400 (7.9 against 9.3, 12.7 against 15.2),
-the two graphs interleaved in one process.
+of the values in the layout the cache keeps them, each row's in an order that depends on nothing but the row's keys
+(the source's header says how), so a row's result is the same at every width of step, as chunked_attention's is. Its
+rounding is not chunked_attention's, so a model whose steps are compiled runs them all through the operator or none
+(the exactness check and the graphs are kept per runner, whose name says which: compiled.CompiledSteps). Built for
+this processor (-march=native) on first use. With it the demo model's layers took 0.7 ms less a step after 100
+tokens (5.6 against 6.3 ms at one row, 7.0 against 7.7 at eight) and 1.4 / 2.5 ms less after 400 (7.9 against 9.3,
+12.7 against 15.2), the two graphs interleaved in one process.
+
+The graph still hands the operator a copy of the layer's values with the step's rows written in (inductor writes
+the rows into a new buffer rather than into the cache's view, when an operator it cannot see into reads it), then
+writes the rows into the cache. Not avoided: with the operator reading the cache before the rows are written (and
+the rows beside it), the graph copied the values at the write after it and copied them back; an operator that
+writes the rows itself (an input it mutates) cannot be functionalized inside a nested compile region in torch 2.13.
 """
 
 from __future__ import annotations

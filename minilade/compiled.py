@@ -116,7 +116,7 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
 def step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_bias: torch.Tensor,
                    shared: torch.Tensor, tail_keys: torch.Tensor, tail_select: torch.Tensor) -> torch.Tensor:
     """chunked_attention's sums (its arguments and result), ended by the C++ operator where it is loaded and the step
-    computes in float32 (attention_op.py: the chunks' sums of the values where they lie, in one operator), else
+    computes in float32 (attention_op.py: the chunks' sums of the values, in one operator), else
     chunked_attention. The two round each their own way, and each gives a row the same bits at every width of
     step."""
     if not attention_op.serves(q, keys, values):
