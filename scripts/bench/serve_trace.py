@@ -12,6 +12,10 @@ A strategy that needs fewer call-steps than another need not need fewer passes: 
 with the most steps sets the number of passes, and the passes after the first request finishes carry fewer calls.
 Every answer is compared with the first strategy's (greedy: they must be identical).
 
+Torch work is done where the server does it: the model is loaded, and each round's engine made (its pass checks),
+in threads that end before the passes run, so that the engine's thread holds the process's only OpenMP pool (a
+second live pool, the main thread's, made a pass of four one-row calls 29 ms instead of 11: serve/engine.py).
+
 With --shapes-keys K, first the cost of a pass by the shape of its calls: passes of one-row calls (stacked, as
 plain decoding's), of one call of several rows, and of one-row calls beside a call of several rows (which attends
 alone, as a call with drafts does), each call's cache holding about K keys, shapes interleaved, medians.
@@ -27,6 +31,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 
@@ -52,6 +57,8 @@ from .common import (
     write_json,
 )
 from .serve import SETS, set_prompts
+
+T = TypeVar("T")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -85,9 +92,9 @@ class PassLog:
         self._forward = engine_module.batched_forward
 
     def __enter__(self) -> PassLog:
-        def logged(model, calls):
+        def logged(model, calls, *rest):
             start = time.perf_counter()
-            out = self._forward(model, calls)
+            out = self._forward(model, calls, *rest)
             self.passes.append((len(calls), sum(p.T for p in calls), time.perf_counter() - start))
             return out
 
@@ -115,7 +122,7 @@ def one_round(llm: LLM, prompts: list[list[int]], strategy: str, costs, max_toke
                         all_done.set()
         return deliver
 
-    engine = Engine(llm, max_concurrent=len(prompts), queue_size=len(prompts))
+    engine = in_own_thread(lambda: Engine(llm, max_concurrent=len(prompts), queue_size=len(prompts)))
     engine.start()
     with PassLog() as log:
         start = time.perf_counter()
@@ -128,6 +135,26 @@ def one_round(llm: LLM, prompts: list[list[int]], strategy: str, costs, max_toke
     if any(a is None for a in answers):
         raise RuntimeError(f"a request of strategy {strategy} failed")
     return {"seconds": seconds, "answers": answers, "passes": log.passes}
+
+
+def in_own_thread(make: Callable[[], T]) -> T:
+    """make() run in a thread that ends with it, so that the OpenMP pool its torch work opens goes with it and the
+    calling thread opens none (module docstring)."""
+    result: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(make())
+        except BaseException as error:  # noqa: BLE001 -- raised again in the calling thread
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return result[0]
 
 
 def summary(run: dict, requests: int) -> dict:
@@ -192,11 +219,11 @@ def main_job(argv: list[str]) -> int:
     env = environment()
     print(f"command: {command_line('scripts.bench.serve_trace', argv)}")
     print(describe_machine(env))
-    llm = LLM.load(args.ckpt, progress=False, quantize=args.quantize)
+    llm = in_own_thread(lambda: LLM.load(args.ckpt, progress=False, quantize=args.quantize))
     print(f"setup: {llm.setup}")
-    costs = step_costs_for(llm.model, COST_SIZES, kept_tables_dir() / "step_costs.json")
+    costs = in_own_thread(lambda: step_costs_for(llm.model, COST_SIZES, kept_tables_dir() / "step_costs.json"))
     prompts = [llm.encode(t, chat=chat) for t in texts]
-    shapes = pass_shapes(llm, args.shapes_keys) if args.shapes_keys else None
+    shapes = in_own_thread(lambda: pass_shapes(llm, args.shapes_keys)) if args.shapes_keys else None
     if shapes:
         print(f"\npasses by shape, caches of about {args.shapes_keys} keys (median ms):")
         for name, ms in shapes.items():
