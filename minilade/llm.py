@@ -17,6 +17,8 @@ import dataclasses
 import functools
 import sys
 import tempfile
+import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence, Union
@@ -72,6 +74,7 @@ class LLM:
         self.tables = tables
         self.setup = ""  # how the model runs, in a few words (dtype, quantized layers, eager or compiled steps)
         self._spare_cache: KVCache | None = None  # reused by the next generation; None while one holds it
+        self._home = threading.current_thread()  # where the model was loaded (other_thread_warning)
 
     @property
     def cost_file(self) -> str | None:
@@ -254,7 +257,23 @@ class LLM:
         settings = GenerationSettings(
             strategy=strategy,
             sampling=merge_sampling(self.generation_defaults, given), max_new_tokens=max_new_tokens, stop=stop)
+        self.other_thread_warning()
         return TextStream(self, self.encode(prompt, chat=chat, system=system), settings)
+
+    def other_thread_warning(self) -> None:
+        """Warn once when a generation on the CPU starts in another thread than the one that loaded the model
+        while that one lives. torch gives each thread that runs a parallel operation an OpenMP pool of its own, and
+        while two pools live, every parallel operation waits longer for its threads (libgomp keeps idle threads
+        spinning only briefly once they outnumber the cores): on 2 cores a compiled one-row step of the demo model
+        took 17.5 ms in a second thread against 7.5 ms in the loading one. A thread that ends takes its pool with
+        it, so loading in a thread that ends, or generating where the model was loaded, avoids it."""
+        home, here = self._home, threading.current_thread()
+        if home is None or here is home or not home.is_alive() or self.model.device.type != "cpu":
+            return
+        self._home = None  # once
+        warnings.warn(f"minilade: generating in thread {here.name!r}, while {home.name!r}, which loaded the model, "
+                      f"still runs: two OpenMP pools can make each step several times slower; generate in the "
+                      f"loading thread, or load in a thread that ends", RuntimeWarning, stacklevel=3)
 
 
 class TextStream:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,22 @@ def test_a_finished_stream_hands_its_cache_to_the_next(llm: LLM, monkeypatch) ->
     next(held)  # this stream holds the cache now
     llm.generate("c d", max_new_tokens=4)
     assert len(made) == 1  # so the next generation needed a cache of its own
+
+
+def test_generating_in_another_thread_than_the_loading_one_warns_once(llm: LLM, monkeypatch) -> None:
+    """While the thread that loaded the model lives, a generation in another thread warns (two OpenMP pools), once,
+    and gives the same answer; the loading thread's own generations do not warn."""
+    monkeypatch.setattr(llm, "_home", threading.current_thread())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        here = llm.generate("a b c", max_new_tokens=6)
+        assert seen == []
+        there: list = []
+        worker = threading.Thread(target=lambda: there.extend(llm.generate("a b c", max_new_tokens=6) for _ in "ab"))
+        worker.start()
+        worker.join()
+    assert [t.token_ids for t in there] == [here.token_ids] * 2
+    assert len(seen) == 1 and seen[0].category is RuntimeWarning and "OpenMP" in str(seen[0].message)
 
 
 def test_the_caller_never_runs_in_inference_mode(llm: LLM) -> None:
