@@ -313,7 +313,6 @@ class CompiledSteps:
         keys, values = self.layer_views(cache, step_layout[0].shape[-1])
         return model.layers, x, cos, sin, slots, keys, values, *step_layout
 
-
     def step_layout(self, model: Transformer, input_pos: torch.Tensor, past: int, mask: torch.Tensor | None
                     ) -> tuple[torch.Tensor, ...]:
         """graph_layout of a step of rows at input_pos (1, T) over `past` committed rows, with its mask (T, T) or

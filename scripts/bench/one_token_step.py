@@ -5,8 +5,10 @@ weight-read floor (the bytes of weights a step reads over this machine's memory 
 
 Prints one JSON line. It imports nothing from scripts/, so it runs against any checkout of the project, to
 compare code before and after a change on the same machine, interleaved (one process a run; alternate the
-checkouts and take medians; S is this file):
+checkouts and take medians; S is a copy of this file outside scripts/bench, where scripts/bench/cuda.py would
+stand in for the `cuda` module torch imports):
 
+    S=$(mktemp --suffix .py) && cp scripts/bench/one_token_step.py $S
     for round in 1 2 3; do
       for tree in ../old ../new; do (cd $tree && PYTHONPATH=$PWD python $S --quantize none); done
       (cd ../new && PYTHONPATH=$PWD python $S --quantize int4)
