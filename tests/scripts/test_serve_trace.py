@@ -23,7 +23,7 @@ def test_each_strategy_is_traced_and_its_answers_compared(tiny_checkpoint, data_
     assert list(results) == ["autoregressive", "lookahead"]
     for row in results.values():
         assert row["identical"] == row["answers"] == 4  # greedy: every strategy's answers are plain decoding's
-        assert 1 <= row["passes"] <= row["call_steps"] <= 2 * row["passes"]
+        assert 1 <= row["passes"] < row["call_steps"] <= 2 * row["passes"]  # the two requests shared passes
         assert 0 <= row["tail_time_share"] <= row["pass_time_share"] <= 1
     assert "| lookahead |" in capsys.readouterr().out
 
