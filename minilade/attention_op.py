@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from . import native
+from .invariance import KEY_CHUNK
 
 SOURCE = Path(__file__).parent / "csrc" / "weighted_sums.cpp"
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]  # OpenMP: at::parallel_for
@@ -55,6 +56,17 @@ def serves(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether the operator ends an attention over these queries, keys and values: loaded, and all of them float32
     (it computes in float32 only; other dtypes keep compiled.chunked_attention)."""
     return _loaded and q.dtype == keys.dtype == values.dtype == torch.float32
+
+
+def weighted_sums(q: torch.Tensor, weights: torch.Tensor, values: torch.Tensor, shared: torch.Tensor,
+                  tail_keys: torch.Tensor, tail_select: torch.Tensor) -> torch.Tensor:
+    """The operator's sums as a step's attention output: q (B, H, T, D); weights (B, Hkv, R, Sp), the softmax
+    numerators (compiled.attention_weights); values (B, Hkv, Sp, value_columns(D)); each sequence's layout, shared
+    (B, Sp), tail_keys (B, n), tail_select (B, n_tail, R, n) (compiled.graph_layout's, a batch dimension in front).
+    Returns (B, H, T, D)."""
+    B, H, T, D = q.shape
+    out = torch.ops.minilade_attention.weighted_sums(q, weights, values, shared, tail_keys, tail_select, KEY_CHUNK)
+    return out.unflatten(2, (H // values.shape[1], T)).flatten(1, 2)  # (B, Hkv, G * T, D) -> (B, H, T, D)
 
 
 def _shape(q: torch.Tensor, weights: torch.Tensor, values: torch.Tensor, shared: torch.Tensor,

@@ -121,11 +121,8 @@ def step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ke
     step."""
     if not attention_op.serves(q, keys, values):
         return chunked_attention(q, keys, values, key_bias, shared, tail_keys, tail_select)
-    B, H, T, D = q.shape
-    G = H // keys.shape[1]
-    out = torch.ops.minilade_attention.weighted_sums(q, attention_weights(q, keys, key_bias), values, shared[None],
-                                                     tail_keys[None], tail_select[None], KEY_CHUNK)
-    return out.unflatten(2, (G, T)).flatten(1, 2)  # (B, Hkv, G * T, D) -> (B, H, T, D)
+    return attention_op.weighted_sums(q, attention_weights(q, keys, key_bias), values, shared[None], tail_keys[None],
+                                      tail_select[None])
 
 
 def layer_step(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,

@@ -42,9 +42,7 @@ def pool_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ke
     R, Sp, C = key_bias.shape[1], key_bias.shape[2], tail_keys.shape[1]
     weights = attention_weights(q, keys, key_bias[:, None])  # (B, Hkv, R, Sp)
     if attention_op.serves(q, keys, values):
-        out = torch.ops.minilade_attention.weighted_sums(q, weights, values, shared, tail_keys, tail_select,
-                                                         KEY_CHUNK)
-        return out.unflatten(2, (G, T)).flatten(1, 2)
+        return attention_op.weighted_sums(q, weights, values, shared, tail_keys, tail_select)
     v1 = values.to(work_dtype(q.dtype))
     n = Sp // KEY_CHUNK
     w = (weights * shared[:, None, None]).unflatten(-1, (n, KEY_CHUNK)).transpose(2, 3)  # (B, Hkv, n, R, C)
