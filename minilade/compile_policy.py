@@ -1,7 +1,8 @@
-"""Where and when a model's steps are compiled: the choice LLM.load(compile=...) makes, and a first run's compile.
+"""How a model's decoding steps run: the choice LLM.load(compile=...) makes, and a first run's compile.
 
-`choose_steps` installs compiled steps (compiled.py) where they pass the exactness check and, unless forced,
-measure faster than eager ones, and keeps what it found per machine; on a first run `compile_kinds_at_once` traces
+`choose_steps` installs native steps (native_steps.py) where they serve the model, else compiled steps
+(compiled.py), where they pass the exactness check and, unless forced, measure faster than eager ones, and keeps
+what it found per machine; on a first run `compile_kinds_at_once` traces
 the two kinds of graph (one-row and wider steps) at the same time, the wider in a forked process, so that the first
 compile takes about as long as one graph.
 """
@@ -22,6 +23,7 @@ from .invariance import RowTiledLinear
 from .masks import interleaved_step
 from .memo import read_table, write_entry
 from .model import Transformer
+from .native_steps import NativeSteps, native_missing
 from .saved_graphs import GRAPHS_FOLDER, compile_at_once
 
 
@@ -33,37 +35,39 @@ def compiler_missing() -> str | None:
 
 
 def choose_steps(model: Transformer, check_file: str | Path | None = None, *, force: bool = False) -> str:
-    """Compile the model's steps (compile_steps) where that is exact and, unless `force`, measured faster: the
-    compiled steps must pass device.check_invariance, and a one-row plus an 8-row step after 128 tokens must take
-    less time than eagerly. Compiling is not tried, unless forced, where a weight matmul would need padding rows
-    in the graph (RowTiledLinear.graph_rows > 1: float32 here, measured slower than its eager prepacked kernel).
-    What was found is kept in check_file (JSON, per model, machine and kernels), the graphs in a folder beside it
-    (GRAPHS_FOLDER, compiled.SavedSteps), so a later process neither measures nor traces again. The model is left
-    eager when compiled steps lose or fail; the return value says which, in a few words, for the user."""
+    """Run the model's decoding steps as native layers (native_steps.py) or compiled graphs (compile_steps), where
+    that is exact and, unless `force`, measured faster than eager steps; `force` asks for compiled graphs.
+
+    Native steps come first where they serve the model (w7a8 layers in float32): built in seconds, they need no
+    graphs and ran faster than compiled ones wherever measured (docs/benchmarks.md). Else the steps are compiled,
+    except, unless forced, where a weight matmul would need padding rows in the graph (RowTiledLinear.graph_rows > 1:
+    float32 here, measured slower than its eager prepacked kernel). Either must pass device.check_invariance, and a
+    one-row plus an 8-row step after 128 tokens must take less time than eagerly. What was found is kept in
+    check_file (JSON, per model, machine and kernels: step_costs.cost_key, which names the runner), compiled graphs
+    in a folder beside it (GRAPHS_FOLDER, compiled.SavedSteps), so a later process neither measures nor traces
+    again. The model is left eager when both lose or fail; the return value says which, in a few words, for the
+    user."""
     missing = compiler_missing()
     if missing:
         return f"eager steps ({missing})"
     if model.device.type != "cpu" or (dist.is_available() and dist.is_initialized()):
         return "eager steps"
+    if not force and native_missing(model) is None:
+        model.step_runner = NativeSteps()
+        known = verdict(model, check_file, "native")
+        if known["exact"] and known["native_s"] < known["eager_s"]:
+            return f"native steps ({known['native_s'] * 1e3:.0f} ms for a 1- and an 8-row step, eager " \
+                   f"{known['eager_s'] * 1e3:.0f})"
+        model.step_runner = None
     compile_steps(model, Path(check_file).parent / GRAPHS_FOLDER if check_file is not None else None)
     if not force and any(m.graph_rows > 1 for m in model.modules() if isinstance(m, RowTiledLinear)):
         model.step_runner = None
         return "eager steps (compiled ones would pad each weight matmul to more rows)"
-    key = cost_key(model)
-    known = (read_table(check_file) or {}).get(key) if check_file is not None else None
-    if known is None:
+    if kept_verdict(model, check_file) is None:
         print("minilade: compiling the model's steps, once for this machine (under a minute on 2 cores; "
               "--compile off or compile=False skips it)", file=sys.stderr, flush=True)
         compile_kinds_at_once(model)
-        runner, exact = model.step_runner, check_invariance(model)
-        seconds = {}
-        for name, step_runner in (("eager", None), ("compiled", runner)):
-            model.step_runner = step_runner
-            seconds[name] = sum(measure_step_costs(model, (1, 8), context=128, repeats=2).values())
-        model.step_runner = runner
-        known = {"exact": exact, "eager_s": seconds["eager"], "compiled_s": seconds["compiled"]}
-        if check_file is not None:
-            write_entry(check_file, key, known)
+    known = verdict(model, check_file, "compiled")
     if not known["exact"]:
         model.step_runner = None
         return "eager steps (compiled ones failed the exactness check here)"
@@ -73,6 +77,29 @@ def choose_steps(model: Transformer, check_file: str | Path | None = None, *, fo
                f"{known['compiled_s'] * 1e3:.0f} ms for a 1- and an 8-row step)"
     return f"compiled steps ({known['compiled_s'] * 1e3:.0f} ms for a 1- and an 8-row step, eager " \
            f"{known['eager_s'] * 1e3:.0f})"
+
+
+def kept_verdict(model: Transformer, check_file: str | Path | None) -> dict | None:
+    """What verdict() found for the model's steps as they run now, kept in check_file, or None."""
+    return (read_table(check_file) or {}).get(cost_key(model)) if check_file is not None else None
+
+
+def verdict(model: Transformer, check_file: str | Path | None, name: str) -> dict:
+    """Whether the model's step_runner (named `name` in the verdict) passes device.check_invariance, and the seconds
+    of a one-row plus an 8-row step after 128 tokens through it and eagerly: {"exact", "eager_s", name + "_s"}, kept in
+    check_file (kept_verdict) or measured now and kept there. Leaves the runner installed."""
+    known = kept_verdict(model, check_file)
+    if known is None:
+        runner, exact = model.step_runner, check_invariance(model)
+        seconds = {}
+        for label, step_runner in (("eager", None), (name, runner)):
+            model.step_runner = step_runner
+            seconds[label] = sum(measure_step_costs(model, (1, 8), context=128, repeats=2).values())
+        model.step_runner = runner
+        known = {"exact": exact, "eager_s": seconds["eager"], f"{name}_s": seconds[name]}
+        if check_file is not None:
+            write_entry(check_file, cost_key(model), known)
+    return known
 
 
 def compile_kinds_at_once(model: Transformer) -> None:

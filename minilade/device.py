@@ -35,6 +35,7 @@ from .invariance import (
 from .masks import interleaved_step
 from .memo import read_table, write_entry
 from .model import Transformer
+from .native_steps import NativeSteps, native_missing
 from .quant import quantize_embedding, quantize_linears
 
 
@@ -265,18 +266,20 @@ def choose_dtype(model: Transformer, check_file: str | Path | None = None,
 
 
 def choose_quantization(model: Transformer, blocks: dict, modes: tuple[str, ...],
-                        check_file: str | Path | None = None) -> tuple[Transformer, str]:
+                        check_file: str | Path | None = None, *, native: bool = False) -> tuple[Transformer, str]:
     """The model with its linear layers quantized in whichever of `modes` (e.g. int4 and w7a8, quant.py) steps
     fastest on this CPU while passing the exactness check, measured: the model quantized each way (taking
     `blocks`, a file's codes by module name, as quantize_linears takes them; the embedding in int8 groups), made
     exact, then timed on a one-row and an 8-row step after 128 tokens (the widths auto feeds most), the modes in
-    turn in each of 5 rounds, medians. The choice is kept in check_file ("<key>|quantize"), so that a later load
-    quantizes one way only. Returns the model and a few words on the choice."""
+    turn in each of 5 rounds, medians. native: time a mode through native steps where they serve it and pass the
+    check (native_steps.py: how its steps will run), else eagerly. The choice is kept in check_file
+    ("<key>|quantize"), so that a later load quantizes one way only. Returns the model, its steps eager, and a few
+    words on the choice."""
     def quantized(mode: str, source: Transformer) -> Transformer:
         quantize_linears(source, mode, 32, weights=blocks)
         return quantize_embedding(source, blocks.get("tok_embeddings"))
 
-    chosen_key = cost_key(model) + "|quantize"
+    chosen_key = cost_key(model) + f"|quantize{'|native' if native else ''}"
     chosen = (read_table(check_file) or {}).get(chosen_key) if check_file is not None else None
     if chosen in modes:  # only an exact mode is kept; make_exact says so should its verdict have changed
         candidate = quantized(chosen, model)
@@ -287,15 +290,21 @@ def choose_quantization(model: Transformer, blocks: dict, modes: tuple[str, ...]
         candidates[mode] = candidate = quantized(mode, model if i == len(modes) - 1 else copy.deepcopy(model))
         if make_exact(candidate, check_file, warn=False).exact:
             exact[mode] = candidate
+            if native and native_missing(candidate) is None:
+                candidate.step_runner = NativeSteps()
+                candidate.step_runner = candidate.step_runner if check_invariance(candidate) else None
     timed = compare_step_costs(exact, (1, 8), context=128, repeats=5)  # interleaved: one spell, all modes
     seconds = {mode: sum(by_size.values()) for mode, by_size in timed.items()}
+    how = {mode: " (native steps)" if candidate.step_runner is not None else "" for mode, candidate in exact.items()}
+    for candidate in exact.values():
+        candidate.step_runner = None
     if not seconds:  # none is exact: the first, and make_exact says so
         make_exact(candidates[modes[0]], check_file)
         return candidates[modes[0]], modes[0]
     best = min(seconds, key=seconds.__getitem__)
     if check_file is not None:
         write_entry(check_file, chosen_key, best)
-    timing = " against ".join(f"{mode} {1e3 * s:.0f} ms" for mode, s in seconds.items())
+    timing = " against ".join(f"{mode}{how[mode]} {1e3 * s:.0f} ms" for mode, s in seconds.items())
     return candidates[best], f"{best} measured fastest of {'/'.join(modes)} here (a 1- and an 8-row step: {timing})"
 
 

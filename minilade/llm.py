@@ -187,7 +187,8 @@ class LLM:
         check_file = tables / CHECK_TABLE if tables is not None else None
         chose = ""
         if isinstance(quantize, tuple) and exact and len(quantize) > 1:
-            model, chose = choose_quantization(model, dict(blocks or {}), quantize, check_file)
+            model, chose = choose_quantization(model, dict(blocks or {}), quantize, check_file,
+                                               native=compile == "auto")
         elif quantize is not None:
             blocks = dict(blocks or {})
             quantize_linears(model, quantize if isinstance(quantize, str) else quantize[0], group_size,

@@ -15,6 +15,7 @@ from minilade.config import ModelConfig
 from minilade.decoding import Autoregressive, GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens
 from minilade.decoding.step_costs import StepCosts
 from minilade.invariance import apply_exact_attention
+from minilade.masks import interleaved_step
 from minilade.model import Transformer
 from minilade.penalties import TokenHistory
 from minilade.sampling import SamplingParams, warp
@@ -50,6 +51,23 @@ def checked_runs(model, seed: int, strategies: list, trials: int = 3, max_new_to
             assert got == expected, (prompt, strategy)
             runs.append((strategy, run))
     return runs
+
+
+def step_eagerly_and_by(model: Transformer, runner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Logits of one lookahead-shaped step of 8 rows after a 9-token prompt, and the keys written to the cache, with
+    the model's steps eager and then run by `runner` (a step_runner): ([eager, runner's] logits, [eager, runner's]
+    keys of the 17 rows), for tests that a runner computes the model's step."""
+    prompt, (positions, mask) = torch.randint(model.config.vocab_size, (1, 9)), interleaved_step(9, 8, lanes=4)
+    logits, keys = [], []
+    with torch.inference_mode():
+        for step_runner in (None, runner):
+            model.step_runner = step_runner
+            cache = model.new_cache(40)
+            model(prompt, torch.arange(9), cache)
+            cache.commit(9)
+            logits.append(model(torch.arange(8)[None] % 16, positions, cache, mask))
+            keys.append(cache.k[:, :, :, :17].clone())
+    return logits, keys
 
 
 def costs_of(seconds: Callable[[int], float]) -> StepCosts:

@@ -23,7 +23,7 @@ from minilade.invariance import invariant_attention, key_layout, pad_keys_values
 from minilade.masks import interleaved_step
 from minilade.model import Transformer, step_visibility
 from minilade.quant import quantize_embedding, quantize_linears
-from tests.helpers import FLAT_COSTS, checked_runs, run_tokens, tiny_model
+from tests.helpers import FLAT_COSTS, checked_runs, run_tokens, step_eagerly_and_by, tiny_model
 
 # One worker under pytest-xdist compiles these graphs, once (compiled graphs live in the process that made them).
 pytestmark = pytest.mark.xdist_group("compiled")
@@ -66,17 +66,7 @@ def test_compiled_steps_compute_the_models_step() -> None:
     """The compiled step is the eager step's function: the same logits up to rounding, a sliding window
     included, and the same cache rows written."""
     model = compiled_model("float32", sliding_window=6)
-    runner = model.step_runner
-    prompt, positions_mask = torch.randint(32, (1, 9)), interleaved_step(9, 8, lanes=4)
-    logits, caches = [], []
-    with torch.inference_mode():
-        for step_runner in (None, runner):
-            model.step_runner = step_runner
-            cache = model.new_cache(40)
-            model(prompt, torch.arange(9), cache)
-            cache.commit(9)
-            logits.append(model(torch.arange(8)[None] % 16, positions_mask[0], cache, positions_mask[1]))
-            caches.append(cache.k[:, :, :, :17].clone())
+    logits, caches = step_eagerly_and_by(model, model.step_runner)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(caches[0], caches[1], rtol=1e-5, atol=1e-5)
 

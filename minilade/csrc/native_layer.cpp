@@ -1,0 +1,288 @@
+// minilade_native_layer::layer: one transformer layer of a decoding pass over w7a8 weights, in C++ (native_steps.py).
+//
+// x (R, dim) float32 holds the rows of one or more calls, each over its own KV cache: call c owns rows
+// [start_c, start_c + T_c), writes their keys and values into its cache at slots [past_c, past_c + T_c), and each
+// of its rows attends over the slots listed for it (visible_slots[row_offsets[r] : row_offsets[r + 1]], in
+// ascending order). Every operation but the weight matmuls is written here, row by row: the same code computes a
+// row whatever the other rows, in an order of sums fixed by the code (lanes of kLanes, then a fixed tree), so a
+// row's result does not depend on how many rows the pass has or which. The weight matmuls are fbgemm's w7a8 kernel
+// over all rows at once, which gives each row the same bits at every row count (the load-time check verifies it).
+// Attention over a row's keys visits them in slot order, which is their positions' order: a token's keys and
+// values come out the same whether the token was a row of a wide step or a step of its own.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/quantized/PackedParams.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
+
+constexpr int64_t kLanes = 16;        // the partial sums of every reduction
+constexpr double kCodesScale = 1.0;   // w7a8 activation codes are the integers themselves
+constexpr int64_t kZeroPoint = 128;   // integer_linear.ZERO_POINT
+constexpr float kActivationLevels = 127.0f;
+constexpr float kLog2E = 1.4426950408889634f;
+constexpr int64_t kAttentionGrain = 1 << 14;  // keys x heads below which a pass's attention stays on one thread
+
+// kLanes floats as one value (GCC's vector extension: one AVX-512 register, two AVX2 ones), and loads of one from
+// memory of any alignment.
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef float UnalignedLanes __attribute__((vector_size(kLanes * sizeof(float)), aligned(alignof(float))));
+
+inline Lanes load(const float* p) { return *reinterpret_cast<const UnalignedLanes*>(p); }
+
+// The sum of the lanes, halved in a fixed tree: lanes l and l + 8, then l and l + 4, and so on.
+inline float lane_sum(Lanes v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  v += __builtin_shufflevector(v, v, 1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return v[0];
+}
+
+// Sum of a[i] * b[i], i < n: kLanes partial sums (lane i % kLanes), then lane_sum.
+inline float dot(const float* a, const float* b, int64_t n) {
+  Lanes acc = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
+  for (int64_t l = 0; i + l < n; ++l) acc[l] += a[i + l] * b[i + l];
+  return lane_sum(acc);
+}
+
+// The largest |a[i]|, i < n (exact in any order; kLanes partial maxima so that the compiler vectorises it).
+inline float largest_magnitude(const float* __restrict a, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) acc[l] = std::max(acc[l], std::fabs(a[i + l]));
+  }
+  for (int64_t l = 0; i + l < n; ++l) acc[l] = std::max(acc[l], std::fabs(a[i + l]));
+  float largest = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) largest = std::max(largest, acc[l]);
+  return largest;
+}
+
+// 2^x to a few units in the last place, in operations the compiler vectorises (so a loop's vector body and its
+// scalar remainder give the same bits): x = k + f with k the nearest integer, 2^f by its Taylor polynomial of
+// degree 7 (relative error under 1e-8 for |f| <= 1/2), 2^k in the exponent bits; 0 for x below -126.
+inline float exp2_approx(float x) {
+  const float clamped = x < -126.0f ? -126.0f : (x > 127.0f ? 127.0f : x);
+  const float k = std::nearbyint(clamped);
+  const float f = clamped - k;
+  float p = 1.5252733804059841e-5f;  // ln(2)^7 / 7!
+  p = p * f + 1.5403530393381609e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(k) + 127) << 23);
+  return x < -126.0f ? 0.0f : p * scale;
+}
+
+// out = x / rms(x) * weight over each of the R rows of n columns (eps inside the root, as RMSNorm).
+void rms_norm(const float* __restrict x, const float* __restrict weight, float eps, int64_t R, int64_t n,
+              float* __restrict out) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* __restrict row = x + r * n;
+    float* __restrict normed = out + r * n;
+    const float inverse = 1.0f / std::sqrt(dot(row, row, n) / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) normed[i] = row[i] * inverse * weight[i];
+  }
+}
+
+// y = x @ W.T for a w7a8 weight, each row of x rounded to 8-bit codes by its largest magnitude (integer_linear.py's
+// W7A8Linear.forward, the same operations): x (R, K) -> (R, N).
+at::Tensor w7a8_linear(const at::Tensor& x, const Packed& weight) {
+  const int64_t R = x.size(0), K = x.size(1);
+  at::Tensor codes = at::empty_like(x);
+  std::vector<float> scales(R);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* __restrict in = x.const_data_ptr<float>() + r * K;
+    float* __restrict out = codes.mutable_data_ptr<float>() + r * K;
+    const float scale = std::max(largest_magnitude(in, K), std::numeric_limits<float>::min()) / kActivationLevels;
+    for (int64_t i = 0; i < K; ++i) out[i] = std::nearbyint(in[i] / scale);
+    scales[r] = scale;
+  }
+  at::Tensor y = weight->apply_with_input_q_dq_qweight_dq_output_fp32(codes, kCodesScale, kZeroPoint);
+  const int64_t N = y.size(1);
+  for (int64_t r = 0; r < R; ++r) {
+    float* __restrict row = y.mutable_data_ptr<float>() + r * N;
+    const float scale = scales[r];
+    for (int64_t i = 0; i < N; ++i) row[i] *= scale;
+  }
+  return y;
+}
+
+// x * cos + roll(x, D/2) * sin_signed over one head's D columns (model.apply_rope).
+inline void rotate(float* __restrict x, const float* __restrict cos, const float* __restrict sin, int64_t D) {
+  float rotated[512];
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) rotated[i] = x[i] * cos[i] + x[i + half] * sin[i];
+  for (int64_t i = half; i < D; ++i) rotated[i] = x[i] * cos[i] + x[i - half] * sin[i];
+  std::memcpy(x, rotated, D * sizeof(float));
+}
+
+// One layer of a call's cache: slot s of key-value head h at keys + h * key_head_stride + s * key_slot_stride, and
+// likewise in values (its first D columns).
+struct CallCache {
+  float* keys;
+  float* values;
+  int64_t key_head_stride, key_slot_stride, value_head_stride, value_slot_stride;
+};
+
+CallCache layer_cache(const at::Tensor& k, const at::Tensor& v, int64_t layer) {
+  // k: (L, 1, Hkv, S, D), v: (L, 1, Hkv, S, Dv), Dv >= D
+  TORCH_CHECK(k.size(1) == 1 && v.size(1) == 1, "native layer: one sequence a cache");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "native layer: float32 caches");
+  TORCH_CHECK(k.stride(4) == 1 && v.stride(4) == 1, "native layer: cache rows must be contiguous");
+  return {k.mutable_data_ptr<float>() + layer * k.stride(0), v.mutable_data_ptr<float>() + layer * v.stride(0),
+          k.stride(2), k.stride(3), v.stride(2), v.stride(3)};
+}
+
+// One row's attention for the G query heads of one key-value head (q: G heads of D, out likewise):
+// softmax(q . k_s / sqrt(D)) over the row's slots s, times v_s, each head's sums in slot order. The G heads read each
+// key once. weights: G * n floats of room.
+void attend(const float* q, const CallCache& cache, int64_t kv_head, const int32_t* slots, int64_t n, int64_t G,
+            int64_t D, float* weights, float* out) {
+  const float* keys = cache.keys + kv_head * cache.key_head_stride;
+  const float* values = cache.values + kv_head * cache.value_head_stride;
+  const float scale = kLog2E / std::sqrt(static_cast<float>(D));
+  for (int64_t j = 0; j < n; ++j) {
+    const float* key = keys + slots[j] * cache.key_slot_stride;
+    for (int64_t g = 0; g < G; ++g) weights[g * n + j] = dot(q + g * D, key, D) * scale;
+  }
+  std::vector<float> inverse_totals(G);
+  for (int64_t g = 0; g < G; ++g) {
+    float* w = weights + g * n;
+    float largest = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) largest = std::max(largest, w[j]);
+    for (int64_t j = 0; j < n; ++j) w[j] = exp2_approx(w[j] - largest);
+    float total = 0.0f;
+    for (int64_t j = 0; j < n; ++j) total += w[j];
+    inverse_totals[g] = 1.0f / total;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float* w = weights + g * n;
+    int64_t d = 0;
+    for (; d + kLanes <= D; d += kLanes) {
+      Lanes sum = {};
+      for (int64_t j = 0; j < n; ++j) sum += w[j] * load(values + slots[j] * cache.value_slot_stride + d);
+      const Lanes mean = sum * inverse_totals[g];
+      std::memcpy(out + g * D + d, &mean, sizeof mean);
+    }
+    for (; d < D; ++d) {  // a head width that is not a multiple of kLanes: its last columns one at a time
+      float sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) sum += w[j] * values[slots[j] * cache.value_slot_stride + d];
+      out[g * D + d] = sum * inverse_totals[g];
+    }
+  }
+}
+
+at::Tensor layer(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+                 const at::Tensor& attention_norm, const at::Tensor& ffn_norm, double eps, const Packed& wqkv,
+                 const Packed& wo, const Packed& gate_up, const Packed& down, int64_t n_heads, int64_t n_kv_heads,
+                 int64_t layer_index, at::TensorList keys, at::TensorList values, at::IntArrayRef call_rows,
+                 at::IntArrayRef call_past, const at::Tensor& visible_slots, const at::Tensor& row_offsets) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "native layer: x must be (rows, dim) float32");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t R = x.size(0), dim = x.size(1), D = cos.size(1);
+  const int64_t H = n_heads, Hkv = n_kv_heads, G = H / Hkv;
+  TORCH_CHECK(D <= 512 && D % 2 == 0, "native layer: head_dim must be even, at most 512");
+  TORCH_CHECK(cos.size(0) == R && sin.size(0) == R && cos.is_contiguous() && sin.is_contiguous(),
+              "native layer: cos and sin must be (rows, head_dim), contiguous");
+  TORCH_CHECK(keys.size() == call_rows.size() && values.size() == call_rows.size() &&
+                  call_past.size() == call_rows.size(), "native layer: one cache, row count and length a call");
+  TORCH_CHECK(visible_slots.scalar_type() == at::kInt && row_offsets.scalar_type() == at::kLong &&
+                  row_offsets.numel() == R + 1, "native layer: visible_slots int32, row_offsets int64 (rows + 1)");
+  const float* cos_rows = cos.const_data_ptr<float>();
+  const float* sin_rows = sin.const_data_ptr<float>();
+  const float epsilon = static_cast<float>(eps);
+
+  // Attention: norm, q k v, rotary, the rows' keys and values into each call's cache, then each row over its slots.
+  at::Tensor h = at::empty_like(x);
+  rms_norm(x.const_data_ptr<float>(), attention_norm.const_data_ptr<float>(), epsilon, R, dim,
+           h.mutable_data_ptr<float>());
+  at::Tensor qkv = w7a8_linear(h, wqkv);  // (R, (H + 2 Hkv) D)
+  float* qkv_rows = qkv.mutable_data_ptr<float>();
+  const int64_t width = (H + 2 * Hkv) * D;
+  std::vector<CallCache> caches;
+  std::vector<int64_t> row_call(R);
+  int64_t row = 0;
+  for (int64_t c = 0; c < static_cast<int64_t>(call_rows.size()); ++c) {
+    caches.push_back(layer_cache(keys[c], values[c], layer_index));
+    for (int64_t t = 0; t < call_rows[c]; ++t, ++row) {
+      row_call[row] = c;
+      float* q = qkv_rows + row * width;
+      for (int64_t head = 0; head < H + Hkv; ++head) rotate(q + head * D, cos_rows + row * D, sin_rows + row * D, D);
+      const CallCache& cache = caches.back();
+      for (int64_t kv = 0; kv < Hkv; ++kv) {
+        const int64_t slot = call_past[c] + t;
+        std::memcpy(cache.keys + kv * cache.key_head_stride + slot * cache.key_slot_stride, q + (H + kv) * D,
+                    D * sizeof(float));
+        std::memcpy(cache.values + kv * cache.value_head_stride + slot * cache.value_slot_stride,
+                    q + (H + Hkv + kv) * D, D * sizeof(float));
+      }
+    }
+  }
+  TORCH_CHECK(row == R, "native layer: the calls' rows must add up to x's");
+  at::Tensor y = at::empty({R, H * D}, x.options());
+  float* y_rows = y.mutable_data_ptr<float>();
+  const int32_t* slots = visible_slots.const_data_ptr<int32_t>();
+  const int64_t* offsets = row_offsets.const_data_ptr<int64_t>();
+  // Tasks of one row and one key-value head; a pass with few keys in all stays on this thread.
+  const int64_t grain = std::max<int64_t>(1, kAttentionGrain * R / std::max<int64_t>(1, offsets[R] * H));
+  at::parallel_for(0, R * Hkv, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / Hkv, kv = task % Hkv;
+      const int64_t n = offsets[r + 1] - offsets[r];
+      weights.resize(G * n);
+      attend(qkv_rows + r * width + kv * G * D, caches[row_call[r]], kv, slots + offsets[r], n, G, D,
+             weights.data(), y_rows + r * H * D + kv * G * D);
+    }
+  });
+  at::Tensor out = w7a8_linear(y, wo);
+  float* __restrict out_rows = out.mutable_data_ptr<float>();
+  const float* __restrict x_rows = x.const_data_ptr<float>();
+  for (int64_t i = 0; i < R * dim; ++i) out_rows[i] += x_rows[i];
+
+  // Feed-forward: norm, gate and up, silu(gate) * up, down, residual.
+  rms_norm(out_rows, ffn_norm.const_data_ptr<float>(), epsilon, R, dim, h.mutable_data_ptr<float>());
+  at::Tensor gu = w7a8_linear(h, gate_up);  // (R, 2I)
+  const int64_t I = gu.size(1) / 2;
+  at::Tensor act = at::empty({R, I}, x.options());
+  for (int64_t r = 0; r < R; ++r) {
+    const float* __restrict gate = gu.const_data_ptr<float>() + r * 2 * I;
+    const float* __restrict up = gate + I;
+    float* __restrict row = act.mutable_data_ptr<float>() + r * I;
+    for (int64_t i = 0; i < I; ++i) row[i] = gate[i] / (1.0f + exp2_approx(-gate[i] * kLog2E)) * up[i];
+  }
+  at::Tensor ffn = w7a8_linear(act, down);
+  const float* __restrict ffn_rows = ffn.const_data_ptr<float>();
+  for (int64_t i = 0; i < R * dim; ++i) out_rows[i] += ffn_rows[i];
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(minilade_native_layer, m) {
+  m.def(
+      "layer(Tensor x, Tensor cos, Tensor sin, Tensor attention_norm, Tensor ffn_norm, float eps, "
+      "__torch__.torch.classes.quantized.LinearPackedParamsBase wqkv, "
+      "__torch__.torch.classes.quantized.LinearPackedParamsBase wo, "
+      "__torch__.torch.classes.quantized.LinearPackedParamsBase gate_up, "
+      "__torch__.torch.classes.quantized.LinearPackedParamsBase down, int n_heads, int n_kv_heads, int layer, "
+      "Tensor[] keys, Tensor[] values, int[] call_rows, int[] call_past, Tensor visible_slots, Tensor row_offsets) "
+      "-> Tensor",
+      layer);
+}

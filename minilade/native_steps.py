@@ -1,0 +1,130 @@
+"""Decoding steps of w7a8 models as C++ layers: each layer of a step one call, every operation row by row.
+
+A compiled step (compiled.py) runs some 20 generated kernels and external calls a layer from inductor's Python
+wrapper, each a parallel region of its own, and on a one-row step of the demo model that host work costs about as
+much again as the weight matmuls. `NativeSteps` runs each layer of a decoding step as one C++ operator
+(csrc/native_layer.cpp): the norms, the rounding of activations to 8-bit codes, rotary, the cache writes, attention
+and SwiGLU are loops over each row's own numbers, and the weight matmuls are fbgemm's w7a8 kernel over all rows, the
+same call W7A8Linear makes. The operator takes the rows of several calls, each over its own cache
+(`layers_pass`): the server runs the decoding steps of all its requests as one pass through it (serve/native_pass.py).
+
+Exactness, by construction: a row's operations are the same code whatever the other rows are, with sums in an order
+the code fixes, not the row count; its attention visits the slots it sees in ascending order, which is the order
+of their positions, so a token gets the same keys, values and logits as a row of a wide step or as a step of its
+own; the weight matmuls give each row the same bits at every row count. device.check_invariance verifies the whole
+step before it is used (compile_policy.choose_steps). The rounding is the operator's own, not the eager step's: a
+model runs all its decoding steps natively or none, its prefill eagerly, as with compiled steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from . import native
+from .integer_linear import W7A8Linear
+from .kv_cache import KVCache
+from .model import Block, Transformer
+
+SOURCE = Path(__file__).parent / "csrc" / "native_layer.cpp"
+
+
+class NativeCall(NamedTuple):
+    """One call's part of a native pass: tokens (T,), their rotary positions (T,), its cache (holding rows; the
+    call's keys and values go to slots [cache.length, cache.length + T)) and its mask (T, T) or None (causal), as
+    Transformer.forward takes them."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    cache: KVCache
+    mask: torch.Tensor | None
+
+
+def native_missing(model: Transformer) -> str | None:
+    """Why this model's steps cannot run as native layers, or None: they need the CPU, float32 activations, every
+    layer's weight matmuls in w7a8 without biases, an even head width up to 512, and the operator, built here (once
+    a machine, in seconds)."""
+    if model.device.type != "cpu":
+        return f"native steps run on the CPU, not {model.device.type}"
+    if model.dtype != torch.float32:
+        return f"native steps compute in float32, not {str(model.dtype).removeprefix('torch.')}"
+    head_dim = model.config.head_dim
+    if head_dim % 2 or head_dim > 512:
+        return f"native steps need an even head width up to 512, not {head_dim}"
+    for block in model.layers:
+        linears = (block.attention.wqkv, block.attention.wo, block.feed_forward.w_gate_up, block.feed_forward.w_down)
+        if not all(isinstance(m, W7A8Linear) and m.bias is None for m in linears):
+            return "native steps need every layer's weights in w7a8, without biases"
+    return load()
+
+
+def load() -> str | None:
+    """Build (once a machine: the source is compiled for its processor) and load the operator; None when it is
+    loaded, else why not, in one line. -ffp-contract=off: no multiply-add is fused, so that a loop's vectorised body
+    and its scalar remainder round alike."""
+    if hasattr(torch.ops.minilade_native_layer, "layer"):
+        return None
+    return native.build("native_layer", SOURCE, ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                        what="native layer", for_processor=True)
+
+
+class NativeSteps:
+    """A model's step_runner (Transformer.forward hands it every step over a cache holding rows): the layers as one
+    native pass (layers_pass); the embedding, final norm and output head as the eager step runs them."""
+
+    # In the keys under which step costs and exactness verdicts are kept: they hold for this source only.
+    name = f"native {hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}"
+
+    def __call__(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
+                 mask: torch.Tensor | None, logits_rows: torch.Tensor | None) -> torch.Tensor:
+        """As Transformer.forward: tokens (1, T), input_pos (1, T); returns logits (1, R, V)."""
+        if tokens.shape[0] != 1:
+            raise ValueError(f"native steps run one sequence a cache, not {tokens.shape[0]}")
+        x = layers_pass(model, [NativeCall(tokens[0], input_pos.reshape(-1), cache, mask)])
+        if logits_rows is not None:
+            x = x[logits_rows]
+        return model.output(model.norm(x[None]))
+
+
+def layers_pass(model: Transformer, calls: list[NativeCall]) -> torch.Tensor:
+    """Every layer over the rows of several calls, each over its own cache: the last layer's output (sum T, dim),
+    the calls' rows in order; each call's keys and values written into its cache at [length, length + T)."""
+    tokens = torch.cat([call.tokens for call in calls])
+    positions = torch.cat([call.positions for call in calls])
+    cos, sin = (t[0, :, 0].contiguous() for t in model.rotary(positions[None]))  # (sum T, D)
+    slots, counts = zip(*(visible_slots(model, call) for call in calls))
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cat(counts).cumsum(0)])
+    slots = torch.cat(slots)
+    keys, values = [call.cache.k for call in calls], [call.cache.v for call in calls]
+    rows, past = [call.tokens.shape[0] for call in calls], [call.cache.length for call in calls]
+    x = model.tok_embeddings(tokens).to(model.dtype).contiguous()
+    for i, block in enumerate(model.layers):
+        x = native_layer(model, block, i, x, cos, sin, keys, values, rows, past, slots, offsets)
+    return x
+
+
+def visible_slots(model: Transformer, call: NativeCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache slots each row of a call sees, ascending (int32, all rows' in one tensor), and how many a row
+    (T,): the committed rows and the step rows its mask allows, cut by any sliding window
+    (Transformer.step_masks)."""
+    T = call.tokens.shape[0]
+    visible, _ = model.step_masks(call.mask, call.cache.length, T, call.positions)  # (T, past + T)
+    if visible is None:  # a causal step over an empty cache
+        visible = torch.ones(T, T, dtype=torch.bool).tril_()
+    return visible.nonzero()[:, 1].to(torch.int32), visible.sum(1)
+
+
+def native_layer(model: Transformer, block: Block, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 keys: list[torch.Tensor], values: list[torch.Tensor], rows: list[int], past: list[int],
+                 slots: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Layer `index` (block) of a native pass: x (sum T, dim) -> (sum T, dim); keys, values: each call's whole
+    cache buffers (L, 1, Hkv, S, D|Dv), float32; rows, past: each call's T and cache length; slots, offsets: the rows'
+    visible slots, row r's at slots[offsets[r]:offsets[r + 1]]."""
+    attention, ffn = block.attention, block.feed_forward
+    return torch.ops.minilade_native_layer.layer(
+        x, cos, sin, block.attention_norm.weight, block.ffn_norm.weight, block.attention_norm.eps,
+        attention.wqkv.packed, attention.wo.packed, ffn.w_gate_up.packed, ffn.w_down.packed,
+        model.config.n_heads, model.config.n_kv_heads, index, keys, values, rows, past, slots, offsets)

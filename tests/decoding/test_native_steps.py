@@ -1,0 +1,104 @@
+"""Native steps (native_steps.py) on tiny w7a8 models: a row's bits are the same at every row count, every strategy
+gives plain decoding's output through them, they compute the model's step, and LLM.load chooses them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minilade import Auto, Lookahead, compile_policy
+from minilade.compile_policy import choose_steps
+from minilade.config import ModelConfig
+from minilade.device import check_invariance, make_exact
+from minilade.masks import interleaved_step
+from minilade.model import Transformer
+from minilade.native_steps import NativeCall, NativeSteps, layers_pass, native_missing
+from minilade.quant import quantize_embedding, quantize_linears
+from tests.helpers import FLAT_COSTS, checked_runs, step_eagerly_and_by
+
+
+def w7a8_model(head_dim: int = 16, sliding_window: int = 0, kind: str = "w7a8") -> Transformer:
+    """A tiny model made exact (device.make_exact), its linear layers quantized as `kind`, its steps eager."""
+    config = ModelConfig.preset("tiny-gqa").replace(vocab_size=32, dim=64, head_dim=head_dim, intermediate_size=128,
+                                                    sliding_window=sliding_window)
+    model = Transformer(config).init_random(seed=3, std=0.3).eval()
+    quantize_embedding(quantize_linears(model, kind, 32))
+    assert make_exact(model).exact
+    return model
+
+
+def native_model(head_dim: int = 16, sliding_window: int = 0) -> Transformer:
+    model = w7a8_model(head_dim, sliding_window)
+    assert native_missing(model) is None
+    model.step_runner = NativeSteps()
+    return model
+
+
+@pytest.mark.parametrize("head_dim, sliding_window", [(16, 0), (8, 0), (16, 6)])
+def test_native_rows_are_the_same_at_every_row_count(head_dim: int, sliding_window: int) -> None:
+    """A token's logits through native steps are bitwise the same in a one-row step, a causal multi-row step and a
+    lookahead step's interleaved rows (the load-time check), whatever the head width (a multiple of the operator's
+    16 lanes or not) and with a sliding window that cuts the rows' keys."""
+    assert check_invariance(native_model(head_dim, sliding_window), contexts=(5, 70))
+
+
+def test_greedy_lookahead_and_auto_equal_plain_decoding_through_native_steps() -> None:
+    model = native_model()
+    runs = checked_runs(model, seed=1, strategies=[Lookahead(4, 3, 3), Auto(4, 3, 3, costs=FLAT_COSTS)], trials=2)
+    assert any(run.stats.compression > 1 for _, run in runs)  # drafts were accepted: fewer steps than tokens
+
+
+def test_native_steps_compute_the_models_step() -> None:
+    """The native step is the eager step's function: the same logits up to rounding, a sliding window included, and
+    the same keys written to the cache."""
+    model = native_model(sliding_window=6)
+    logits, keys = step_eagerly_and_by(model, model.step_runner)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(keys[0], keys[1], rtol=1e-5, atol=1e-5)
+
+
+def test_one_pass_gives_each_call_what_its_step_alone_gives() -> None:
+    """layers_pass over three calls of 1, 5 and 3 rows, each over its own cache (causal, lookahead-shaped and
+    causal): each call's output rows and cache rows bitwise those of the call alone."""
+    model = native_model()
+    sizes = [(4, 1, None), (30, 5, interleaved_step(30, 5, lanes=2)), (11, 3, None)]
+
+    def calls() -> list[NativeCall]:
+        made = []
+        for i, (past, T, step) in enumerate(sizes):
+            cache = model.new_cache(64)
+            model(torch.arange(past)[None] * (i + 3) % 32, torch.arange(past), cache)
+            cache.commit(past)
+            positions, mask = step if step is not None else (torch.arange(past, past + T), None)
+            made.append(NativeCall(torch.arange(T) * 5 % 32, positions, cache, mask))
+        return made
+
+    with torch.inference_mode():
+        together, alone = calls(), calls()
+        x = layers_pass(model, together)
+        rows = [layers_pass(model, [call]) for call in alone]
+    assert torch.equal(x, torch.cat(rows))
+    for a, b in zip(together, alone):
+        assert torch.equal(a.cache.k, b.cache.k) and torch.equal(a.cache.v, b.cache.v)
+
+
+def test_native_steps_serve_float32_w7a8_models_only() -> None:
+    assert native_missing(w7a8_model(kind="int4")) == "native steps need every layer's weights in w7a8, without biases"
+    assert native_missing(w7a8_model().to(torch.bfloat16)) == "native steps compute in float32, not bfloat16"
+    assert native_missing(w7a8_model(head_dim=1024)) == "native steps need an even head width up to 512, not 1024"
+
+
+def test_choose_steps_installs_native_steps_where_they_pass_and_measure_faster(tmp_path, monkeypatch) -> None:
+    """choose_steps (what LLM.load(compile="auto") runs) installs native steps for a w7a8 model where they pass the
+    check and step faster than eager ones, and keeps its verdict: a later choice measures nothing."""
+    def timed(model, sizes, **_):
+        return {T: (0.001 if isinstance(model.step_runner, NativeSteps) else 0.004) * T for T in sizes}
+
+    monkeypatch.setattr(compile_policy, "measure_step_costs", timed)
+    model, check_file = w7a8_model(), tmp_path / "invariance.json"
+    assert choose_steps(model, check_file) == "native steps (9 ms for a 1- and an 8-row step, eager 36)"
+    assert isinstance(model.step_runner, NativeSteps) and check_file.exists()
+    monkeypatch.setattr(compile_policy, "measure_step_costs", None)  # a second load reads the kept verdict
+    model.step_runner = None
+    assert choose_steps(model, check_file).startswith("native steps")
+    assert isinstance(model.step_runner, NativeSteps)

@@ -1,0 +1,39 @@
+"""Native steps on the real SmolLM2-135M-Instruct checkpoint in w7a8 (the default configuration where they measure
+faster than eager steps): exact by the load-time check, and every strategy gives plain decoding's output."""
+
+from __future__ import annotations
+
+import pytest
+
+from minilade.decoding import Autoregressive
+from minilade.decoding.lookahead import Lookahead
+from minilade.device import check_invariance
+from minilade.llm import LLM
+from minilade.native_steps import NativeSteps, native_missing
+
+from .test_real_model import PROMPTS
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf) -> LLM:
+    """The demo model in w7a8 with native steps, installed whether or not they measure faster on this machine."""
+    llm = LLM.load(smollm2_gguf, quantize="w7a8", progress=False, compile=False)
+    assert native_missing(llm.model) is None
+    llm.model.step_runner = NativeSteps()
+    return llm
+
+
+def test_native_steps_pass_the_exactness_check(llm) -> None:
+    assert check_invariance(llm.model)
+
+
+@pytest.mark.parametrize("name", ["code", "chat", "math"])
+def test_greedy_auto_and_lookahead_equal_plain_decoding_through_native_steps(llm, name: str) -> None:
+    text, chat = PROMPTS[name]
+    reference = llm.generate(text, chat=chat, max_new_tokens=48, strategy=Autoregressive())
+    for strategy in ("auto", Lookahead(window=5, ngram=4, guesses=5)):
+        got = llm.generate(text, chat=chat, max_new_tokens=48, strategy=strategy)
+        assert got.token_ids == reference.token_ids and got.text == reference.text
+        assert got.stats.forward_passes <= reference.stats.forward_passes
