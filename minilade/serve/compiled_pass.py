@@ -207,6 +207,11 @@ class SharedPasses:
             self.refused.add(kind)
             return one_after_another(model, calls)
 
+    @staticmethod
+    def groups(rows: list[int]) -> list[list[int]]:
+        """Indices of the compiled calls of `rows` rows each, in the passes that run them (the module's groups)."""
+        return groups(rows)
+
     def release(self, cache: KVCache) -> None:
         """A finished generation's cache leaves the pool (cache_pool.CachePool.release)."""
         self.pool.release(cache)

@@ -43,9 +43,10 @@ from ..kv_cache import KVCache
 from ..llm import LLM, TextStream
 from ..model import Transformer
 from .batched import ForwardCall, PreparedCall, batched_forward, prepare_call, runs_compiled
-from .compiled_pass import SharedPasses, groups
+from .compiled_pass import SharedPasses
 from .errors import busy, unavailable
 from .metrics import Metrics
+from .native_pass import NativePasses
 from .planner import PassMember, PassPlans, rows_together
 from .prefill import PREFILL_ALONE, PREFILL_CHUNK, Hit, PrefixCache, is_prefill, prefill_calls, splits_exactly
 
@@ -150,10 +151,10 @@ class Engine:
         history: earlier answers that greedy auto generations draft from, and add theirs to (None: none shared).
         prefill_chunk: prompt rows a new request feeds each pass while others run (they wait at most that pass)."""
         self.llm, self.max_concurrent, self.queue_size, self.prefixes = llm, max_concurrent, queue_size, prefixes
-        # Where the model's steps are compiled, its decoding calls run in passes of their own (compiled_pass.py,
-        # where checked exact), whose cost SharedPasses.pass_cost says; else one after another, and greedy auto
-        # generations plan as alone.
-        self.shared_passes = SharedPasses.checked(llm.model)
+        # Where the model's steps are native or compiled, its decoding calls run in passes of their own
+        # (native_pass.py, compiled_pass.py, where checked exact), whose cost their pass_cost says; else one after
+        # another, and greedy auto generations plan as alone.
+        self.shared_passes = NativePasses.checked(llm.model) or SharedPasses.checked(llm.model)
         self.plan_together = plan_together and (llm.model.step_runner is None or self.shared_passes is not None)
         self.pass_cost = self.shared_passes.pass_cost if self.shared_passes is not None else rows_together
         self.history, self.plans = history, PassPlans()
@@ -343,7 +344,7 @@ class Engine:
         eager, steps = kinds
         if eager:
             self.metrics.forward_pass(len(eager), sum(eager))
-        together = groups(steps) if self.shared_passes else [[i] for i in range(len(steps))]
+        together = self.shared_passes.groups(steps) if self.shared_passes else [[i] for i in range(len(steps))]
         for group in together:
             self.metrics.forward_pass(len(group), sum(steps[i] for i in group))
         for (call, _), result in zip(ready, logits):

@@ -216,7 +216,15 @@ def test_a_pass_groups_calls_of_one_kind():
 def test_concurrent_answers_equal_alone_through_compiled_steps(llm):
     """Greedy auto, lookahead and plain decoding and a seeded sampled request, served together with a long prompt
     read in parts from a kept prefix: every answer is LLM.generate's through the same compiled steps."""
+    served_answers_equal_alone(llm, SharedPasses)
+
+
+def served_answers_equal_alone(llm: LLM, passes: type) -> None:
+    """Serve greedy auto, lookahead and plain decoding and a seeded sampled request together, with a long prompt read
+    in parts from a kept prefix, through an engine whose shared passes are of the type `passes`; assert that every
+    answer is the one LLM.generate gives alone."""
     engine = Engine(llm, max_concurrent=4, prefixes=PrefixCache(1 << 24), prefill_chunk=8)
+    assert isinstance(engine.shared_passes, passes)
     engine.start()
     prompt = [(7 * i) % 40 + 3 for i in range(40)]
     cases = [(prompt, "auto", SamplingParams()), ([5, 6, 7, 8] * 3, "lookahead", SamplingParams()),

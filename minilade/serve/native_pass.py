@@ -1,0 +1,86 @@
+"""The decoding steps of several generations as one native pass, each call with the bits of its own step.
+
+Where the model's steps are native layers (native_steps.py), one pass of `native_steps.layers_pass` takes the rows of
+any number of calls of any widths, each over its own cache and mask: the weight matmuls read the weights once for
+all rows, and each row's other operations, attention included, are its own. `NativePasses` runs all the decoding
+calls of an engine pass that way (the prompts' parts still share one eager pass, batched.py), then the final norm
+and the output head over every call's logits rows at once.
+
+A call's rows get what its step alone gives them: the operator computes a row the same way whatever else the pass
+holds, and the head and norm are row-count invariant (the load-time check). `NativePasses.checked` still runs a pass
+of three probe calls of unequal widths against each call alone, bit for bit, before the engine uses it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import torch
+
+from ..kv_cache import KVCache
+from ..model import Transformer
+from ..native_steps import NativeCall, NativeSteps, layers_pass
+from .batched import ForwardCall
+from .compiled_pass import PROBE_ROOM, calls_over
+
+
+class NativePasses:
+    """Runs the decoding calls of a pass as one native pass (module docstring), for a model whose steps are native.
+    It has the engine's interface to shared passes (compiled_pass.SharedPasses has the same)."""
+
+    @classmethod
+    def checked(cls, model: Transformer) -> NativePasses | None:
+        """NativePasses where a pass of probe calls of 1, 3 and 2 rows gives each call its own step's logits and cache
+        rows bit for bit, else None (with a line saying so); None at once where the model's steps are not native."""
+        if not isinstance(model.step_runner, NativeSteps):
+            return None
+        sizes = [(9, 1), (40, 3), (17, 2)]
+        if max(past + T for past, T in sizes) + PROBE_ROOM > model.config.max_seq_len:
+            return cls()  # no room for the probes in so short a context; the operator's design is the guarantee
+        passes = cls()
+        together, alone = calls_over(model, sizes), calls_over(model, sizes)
+        with torch.inference_mode():
+            got = passes(model, together)
+            want = [model(c.tokens, c.input_pos, c.cache, c.mask) for c in alone]
+        written = [(a.cache, b.cache, a.cache.length + a.tokens.shape[1]) for a, b in zip(together, alone)]
+        same = all(torch.equal(a, b) for a, b in zip(got, want)) and all(
+            torch.equal(a.k[:, :, :, :end], b.k[:, :, :, :end]) and torch.equal(a.v[:, :, :, :end], b.v[:, :, :, :end])
+            for a, b, end in written)
+        if not same:
+            print("minilade: served requests' native steps run one after another (a shared pass did not give each "
+                  "call its own step's logits)", file=sys.stderr)
+            return None
+        return passes
+
+    def __call__(self, model: Transformer, calls: list[ForwardCall]) -> list[torch.Tensor]:
+        """Logits of each decoding call, (1, R_i, V), from one native pass over all their rows; each call's keys and
+        values written into its cache at [length, length + T_i)."""
+        x = layers_pass(model, [NativeCall(c.tokens[0], c.input_pos.reshape(-1), c.cache, c.mask) for c in calls])
+        picked, counts, start = [], [], 0
+        for call in calls:
+            T = call.tokens.shape[1]
+            rows = call.logits_rows if call.logits_rows is not None else torch.arange(T, device=x.device)
+            picked.append(x[start:start + T][rows])
+            counts.append(picked[-1].shape[0])
+            start += T
+        logits = model.output(model.norm(torch.cat(picked)[None]))
+        return list(logits.split(counts, dim=1))
+
+    @staticmethod
+    def pass_cost(other_rows: list[int], eager_rows: list[int], costs: Callable[[int], float]
+                  ) -> Callable[[int], float]:
+        """planner.PassCost: seconds of a pass whose other generations feed other_rows in decoding calls and
+        eager_rows in parts of their prompts, by the rows this one feeds: one step of every decoding row, and one
+        eager pass of the prompts' rows."""
+        prompts = costs(sum(eager_rows)) if eager_rows else 0.0
+        others = sum(other_rows)
+        return lambda rows: prompts + costs(others + rows)
+
+    @staticmethod
+    def groups(rows: list[int]) -> list[list[int]]:
+        """Indices of the decoding calls of `rows` rows each, in the passes that run them: all in one."""
+        return [list(range(len(rows)))] if rows else []
+
+    def release(self, cache: KVCache) -> None:
+        """Nothing to release: each call's cache is its own."""
