@@ -19,6 +19,8 @@ model runs all its decoding steps natively or none, its prefill eagerly, as with
 from __future__ import annotations
 
 import hashlib
+import itertools
+import weakref
 from pathlib import Path
 from typing import NamedTuple
 
@@ -27,7 +29,7 @@ import torch
 from . import native
 from .integer_linear import W7A8Linear
 from .kv_cache import KVCache
-from .model import Block, Transformer
+from .model import Transformer
 
 SOURCE = Path(__file__).parent / "csrc" / "native_layer.cpp"
 
@@ -101,9 +103,30 @@ def layers_pass(model: Transformer, calls: list[NativeCall]) -> torch.Tensor:
     keys, values = [call.cache.k for call in calls], [call.cache.v for call in calls]
     rows, past = [call.tokens.shape[0] for call in calls], [call.cache.length for call in calls]
     x = model.tok_embeddings(tokens).to(model.dtype).contiguous()
-    for i, block in enumerate(model.layers):
-        x = native_layer(model, block, i, x, cos, sin, keys, values, rows, past, slots, offsets)
-    return x
+    return torch.ops.minilade_native_layer.layers(registered(model), x, cos, sin, keys, values, rows, past, slots,
+                                                  offsets)
+
+
+_KEYS: weakref.WeakKeyDictionary[Transformer, int] = weakref.WeakKeyDictionary()
+_NEXT_KEY = itertools.count()
+
+
+def registered(model: Transformer) -> int:
+    """The key under which the operator holds the model's layer weights (its norms and four packed w7a8 weights a
+    layer), registered at the model's first native pass and forgotten when the model goes: a pass then hands the
+    operator none of them (gathering them through the modules' attributes, and torch checking a call's packed
+    weights for fake ones, took some 25 us a layer). A model's layers do not change once its steps run natively."""
+    if model not in _KEYS:
+        key, ops, config = next(_NEXT_KEY), torch.ops.minilade_native_layer, model.config
+        for block in model.layers:
+            attention, ffn = block.attention, block.feed_forward
+            ops.add_layer(key, block.attention_norm.weight.detach().contiguous(),
+                          block.ffn_norm.weight.detach().contiguous(), block.attention_norm.eps,
+                          attention.wqkv.packed, attention.wo.packed, ffn.w_gate_up.packed, ffn.w_down.packed,
+                          config.n_heads, config.n_kv_heads)
+        weakref.finalize(model, ops.forget_model, key).atexit = False
+        _KEYS[model] = key
+    return _KEYS[model]
 
 
 def visible_slots(model: Transformer, call: NativeCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,16 +138,3 @@ def visible_slots(model: Transformer, call: NativeCall) -> tuple[torch.Tensor, t
     if visible is None:  # a causal step over an empty cache
         visible = torch.ones(T, T, dtype=torch.bool).tril_()
     return visible.nonzero()[:, 1].to(torch.int32), visible.sum(1)
-
-
-def native_layer(model: Transformer, block: Block, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 keys: list[torch.Tensor], values: list[torch.Tensor], rows: list[int], past: list[int],
-                 slots: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Layer `index` (block) of a native pass: x (sum T, dim) -> (sum T, dim); keys, values: each call's whole
-    cache buffers (L, 1, Hkv, S, D|Dv), float32; rows, past: each call's T and cache length; slots, offsets: the rows'
-    visible slots, row r's at slots[offsets[r]:offsets[r + 1]]."""
-    attention, ffn = block.attention, block.feed_forward
-    return torch.ops.minilade_native_layer.layer(
-        x, cos, sin, block.attention_norm.weight, block.ffn_norm.weight, block.attention_norm.eps,
-        attention.wqkv.packed, attention.wo.packed, ffn.w_gate_up.packed, ffn.w_down.packed,
-        model.config.n_heads, model.config.n_kv_heads, index, keys, values, rows, past, slots, offsets)

@@ -1,4 +1,5 @@
-// minilade_native_layer::layer: one transformer layer of a decoding pass over w7a8 weights, in C++ (native_steps.py).
+// minilade_native_layer::layers: every transformer layer of a decoding pass over w7a8 weights, in C++
+// (native_steps.py). A model's layers are registered once (add_layer, under a key; forget_model when it goes).
 //
 // x (R, dim) float32 holds the rows of one or more calls, each over its own KV cache: call c owns rows
 // [start_c, start_c + T_c), writes their keys and values into its cache at slots [past_c, past_c + T_c), and each
@@ -19,6 +20,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -188,15 +191,43 @@ void attend(const float* q, const CallCache& cache, int64_t kv_head, const int32
   }
 }
 
-at::Tensor layer(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
-                 const at::Tensor& attention_norm, const at::Tensor& ffn_norm, double eps, const Packed& wqkv,
-                 const Packed& wo, const Packed& gate_up, const Packed& down, int64_t n_heads, int64_t n_kv_heads,
+// A layer's weights, registered once per model (add_layer) so that a pass hands the operator none of them.
+struct LayerWeights {
+  at::Tensor attention_norm, ffn_norm;  // (dim,) float32
+  float eps;
+  Packed wqkv, wo, gate_up, down;
+  int64_t n_heads, n_kv_heads;
+};
+
+std::unordered_map<int64_t, std::vector<LayerWeights>>& models() {
+  static std::unordered_map<int64_t, std::vector<LayerWeights>> by_key;
+  return by_key;
+}
+std::mutex models_lock;
+
+void add_layer(int64_t model, const at::Tensor& attention_norm, const at::Tensor& ffn_norm, double eps,
+               const Packed& wqkv, const Packed& wo, const Packed& gate_up, const Packed& down, int64_t n_heads,
+               int64_t n_kv_heads) {
+  TORCH_CHECK(attention_norm.scalar_type() == at::kFloat && ffn_norm.scalar_type() == at::kFloat &&
+                  attention_norm.is_contiguous() && ffn_norm.is_contiguous(), "native layer: float32 norms");
+  TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "native layer: heads must group evenly");
+  std::lock_guard<std::mutex> guard(models_lock);
+  models()[model].push_back({attention_norm, ffn_norm, static_cast<float>(eps), wqkv, wo, gate_up, down, n_heads,
+                             n_kv_heads});
+}
+
+void forget_model(int64_t model) {
+  std::lock_guard<std::mutex> guard(models_lock);
+  models().erase(model);
+}
+
+at::Tensor layer(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, const LayerWeights& weights,
                  int64_t layer_index, at::TensorList keys, at::TensorList values, at::IntArrayRef call_rows,
                  at::IntArrayRef call_past, const at::Tensor& visible_slots, const at::Tensor& row_offsets) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "native layer: x must be (rows, dim) float32");
   const at::Tensor x = x_in.contiguous();
   const int64_t R = x.size(0), dim = x.size(1), D = cos.size(1);
-  const int64_t H = n_heads, Hkv = n_kv_heads, G = H / Hkv;
+  const int64_t H = weights.n_heads, Hkv = weights.n_kv_heads, G = H / Hkv;
   TORCH_CHECK(D <= 512 && D % 2 == 0, "native layer: head_dim must be even, at most 512");
   TORCH_CHECK(cos.size(0) == R && sin.size(0) == R && cos.is_contiguous() && sin.is_contiguous(),
               "native layer: cos and sin must be (rows, head_dim), contiguous");
@@ -206,13 +237,13 @@ at::Tensor layer(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor
                   row_offsets.numel() == R + 1, "native layer: visible_slots int32, row_offsets int64 (rows + 1)");
   const float* cos_rows = cos.const_data_ptr<float>();
   const float* sin_rows = sin.const_data_ptr<float>();
-  const float epsilon = static_cast<float>(eps);
+  const float epsilon = weights.eps;
 
   // Attention: norm, q k v, rotary, the rows' keys and values into each call's cache, then each row over its slots.
   at::Tensor h = at::empty_like(x);
-  rms_norm(x.const_data_ptr<float>(), attention_norm.const_data_ptr<float>(), epsilon, R, dim,
+  rms_norm(x.const_data_ptr<float>(), weights.attention_norm.const_data_ptr<float>(), epsilon, R, dim,
            h.mutable_data_ptr<float>());
-  at::Tensor qkv = w7a8_linear(h, wqkv);  // (R, (H + 2 Hkv) D)
+  at::Tensor qkv = w7a8_linear(h, weights.wqkv);  // (R, (H + 2 Hkv) D)
   float* qkv_rows = qkv.mutable_data_ptr<float>();
   const int64_t width = (H + 2 * Hkv) * D;
   std::vector<CallCache> caches;
@@ -251,14 +282,14 @@ at::Tensor layer(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor
              weights.data(), y_rows + r * H * D + kv * G * D);
     }
   });
-  at::Tensor out = w7a8_linear(y, wo);
+  at::Tensor out = w7a8_linear(y, weights.wo);
   float* __restrict out_rows = out.mutable_data_ptr<float>();
   const float* __restrict x_rows = x.const_data_ptr<float>();
   for (int64_t i = 0; i < R * dim; ++i) out_rows[i] += x_rows[i];
 
   // Feed-forward: norm, gate and up, silu(gate) * up, down, residual.
-  rms_norm(out_rows, ffn_norm.const_data_ptr<float>(), epsilon, R, dim, h.mutable_data_ptr<float>());
-  at::Tensor gu = w7a8_linear(h, gate_up);  // (R, 2I)
+  rms_norm(out_rows, weights.ffn_norm.const_data_ptr<float>(), epsilon, R, dim, h.mutable_data_ptr<float>());
+  at::Tensor gu = w7a8_linear(h, weights.gate_up);  // (R, 2I)
   const int64_t I = gu.size(1) / 2;
   at::Tensor act = at::empty({R, I}, x.options());
   for (int64_t r = 0; r < R; ++r) {
@@ -267,9 +298,27 @@ at::Tensor layer(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor
     float* __restrict row = act.mutable_data_ptr<float>() + r * I;
     for (int64_t i = 0; i < I; ++i) row[i] = gate[i] / (1.0f + exp2_approx(-gate[i] * kLog2E)) * up[i];
   }
-  at::Tensor ffn = w7a8_linear(act, down);
+  at::Tensor ffn = w7a8_linear(act, weights.down);
   const float* __restrict ffn_rows = ffn.const_data_ptr<float>();
   for (int64_t i = 0; i < R * dim; ++i) out_rows[i] += ffn_rows[i];
+  return out;
+}
+
+// Every layer of a registered model over the rows of one or more calls (the file's first comment).
+at::Tensor layers(int64_t model, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                  at::TensorList keys, at::TensorList values, at::IntArrayRef call_rows, at::IntArrayRef call_past,
+                  const at::Tensor& visible_slots, const at::Tensor& row_offsets) {
+  const std::vector<LayerWeights>* stack;
+  {
+    std::lock_guard<std::mutex> guard(models_lock);
+    auto found = models().find(model);
+    TORCH_CHECK(found != models().end(), "native layer: no model registered under ", model);
+    stack = &found->second;  // entries are only erased by forget_model, once the model is gone
+  }
+  at::Tensor out = x;
+  for (int64_t i = 0; i < static_cast<int64_t>(stack->size()); ++i) {
+    out = layer(out, cos, sin, (*stack)[i], i, keys, values, call_rows, call_past, visible_slots, row_offsets);
+  }
   return out;
 }
 
@@ -277,12 +326,15 @@ at::Tensor layer(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor
 
 TORCH_LIBRARY(minilade_native_layer, m) {
   m.def(
-      "layer(Tensor x, Tensor cos, Tensor sin, Tensor attention_norm, Tensor ffn_norm, float eps, "
+      "add_layer(int model, Tensor attention_norm, Tensor ffn_norm, float eps, "
       "__torch__.torch.classes.quantized.LinearPackedParamsBase wqkv, "
       "__torch__.torch.classes.quantized.LinearPackedParamsBase wo, "
       "__torch__.torch.classes.quantized.LinearPackedParamsBase gate_up, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase down, int n_heads, int n_kv_heads, int layer, "
-      "Tensor[] keys, Tensor[] values, int[] call_rows, int[] call_past, Tensor visible_slots, Tensor row_offsets) "
-      "-> Tensor",
-      layer);
+      "__torch__.torch.classes.quantized.LinearPackedParamsBase down, int n_heads, int n_kv_heads) -> ()",
+      add_layer);
+  m.def("forget_model(int model) -> ()", forget_model);
+  m.def(
+      "layers(int model, Tensor x, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, int[] call_rows, "
+      "int[] call_past, Tensor visible_slots, Tensor row_offsets) -> Tensor",
+      layers);
 }

@@ -8,6 +8,8 @@
     planner.py    what the generations of a pass feed it, for greedy auto to plan against
     batched.py    one forward pass over the rows of several generations, each with its own cache and mask
     stacked.py    the attention of a pass's causal calls of one shape as one kernel call, bits unchanged
+    native_pass.py  the decoding calls of a pass as one native pass, where the model's steps are native
+    compiled_pass.py, cache_pool.py  the decoding calls of a pass in compiled passes, where its steps are compiled
     prefill.py    a prompt's prefill from kept prefix rows (PrefixCache) and in chunks
     errors.py     the {"error": {...}} shape and its statuses
     metrics.py    counters for GET /metrics (Prometheus text)

@@ -15,11 +15,11 @@ matmuls of an exact model are row-count invariant (invariance.RowTiledLinear); a
 tensors the call alone would give it, or stacked with others in a way that gives it the same bits (stacked.py). So
 each call gets bitwise the logits the model gives it alone.
 
-Where the model's decoding steps are compiled (compiled.py), they round otherwise than eager ones, and a call gets
-what the model gives it alone only by running as the model runs it alone (`runs_compiled`): a decoding step with
-its compiled step's bits, a prompt's prefill (and each of its parts, prefill.py) through the eager layers. The
-compiled calls of a pass share compiled passes of their own (compiled_pass.py) or run one after another; the eager
-ones share a pass as above.
+Where the model's decoding steps are native or compiled (native_steps.py, compiled.py), they round otherwise than
+eager ones, and a call gets what the model gives it alone only by running as the model runs it alone
+(`runs_compiled`): a decoding step with its own step's bits, a prompt's prefill (and each of its parts, prefill.py)
+through the eager layers. Such calls of a pass share native or compiled passes of their own (native_pass.py,
+compiled_pass.py) or run one after another; the eager ones share a pass as above.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def batched_forward(model: Transformer, calls: list[PreparedCall],
                     compiled: Callable[[Transformer, list[ForwardCall]], list[torch.Tensor]] | None = None
                     ) -> list[torch.Tensor]:
     """Logits of each call, (1, R_i, V) in the model dtype: the eager calls computed in one pass over all their
-    rows (eager_forward), the compiled ones (runs_compiled) by `compiled` (compiled_pass.SharedPasses), or each by
-    the model's compiled step.
+    rows (eager_forward), the others (runs_compiled) by `compiled` (native_pass.NativePasses or
+    compiled_pass.SharedPasses), or each by the model's own step runner.
 
     Each call's K/V are written into its own cache at [length, length + T_i); no cache length changes (the
     call's decoder commits or compacts afterwards, as after Transformer.forward).

@@ -6,7 +6,8 @@ not compute: a decoder's forward call is handed to the engine and the worker blo
 engine waits until every running request is blocked in a forward call (or has finished), then has one pass run over
 all their rows (batched.batched_forward) and each call answered with its logits. The decoders are unchanged, and
 each sees exactly the logits it would get alone, so each answer is the one it gets alone (where the model's steps
-are compiled, its decoding calls go through compiled passes that give each call its own step's bits). A prompt's
+are native or compiled, its decoding calls go through native or compiled passes that give each call its own step's
+bits). A prompt's
 prefill starts from the rows kept for a prefix it shares with a finished request and runs in chunks (prefill.py).
 
 Every pass runs in the engine's thread, on torch's CPU threads, and a worker computes on its own thread alone

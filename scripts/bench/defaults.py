@@ -1,6 +1,7 @@
 """The default configuration against the ones it replaced or could be: greedy, side by side on each prompt.
 
-Setups (demo model): float32 eager (the default before quantize="auto"; auto only), the file's int4 codes eager,
+Setups (demo model): LLM.load()'s defaults (chosen by what measures fastest here: w7a8 layers with native steps on
+the machines measured), float32 eager (the default before quantize="auto"; auto only), the file's int4 codes eager,
 the same with compiled steps (LLM.load(compile=True)), and w7a8 layers (integer matmuls), eager and compiled; each
 but float32 with auto and plain decoding. For each prompt set: end-to-end tokens/s (prefill included), medians over
 prompts of the ratio to float32 eager auto, and on how many prompts auto's tokens equal plain decoding's in the same
@@ -8,7 +9,7 @@ setup.
 
     python -m scripts.bench.defaults --data-dir ../shared/data --n-prompts 4 --max-new-tokens 128
     python -m scripts.bench.defaults --data-dir ../shared/data --setups int4 w7a8   # float32 always runs
-    python -m scripts.bench.defaults --data-dir ../shared/data --setups w7a8 "w7a8 compiled" --n-prompts 6
+    python -m scripts.bench.defaults --data-dir ../shared/data --setups default "w7a8 compiled" --n-prompts 20
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from .one_token_step import cpu_flags
 SETS = {"mt_bench": ("mt_bench.jsonl", lambda r: r["turns"][0], True),
         "humaneval": ("humaneval.jsonl", lambda r: r["prompt"], False),
         "gsm8k": ("gsm8k_test.jsonl", lambda r: r["question"], True)}
-SETUPS = {"float32": dict(dtype="float32", quantize=None, compile=False), "int4": dict(quantize="int4", compile=False),
+SETUPS = {"default": dict(), "float32": dict(dtype="float32", quantize=None, compile=False),
+          "int4": dict(quantize="int4", compile=False),
           "int4 compiled": dict(quantize="int4", compile=True),
           "w7a8": dict(quantize="w7a8", compile=False), "w7a8 compiled": dict(quantize="w7a8", compile=True)}
 
