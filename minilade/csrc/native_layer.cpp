@@ -152,6 +152,39 @@ CallCache layer_cache(const at::Tensor& k, const at::Tensor& v, int64_t layer) {
           k.stride(2), k.stride(3), v.stride(2), v.stride(3)};
 }
 
+// The scaled scores of G query heads (q: G heads of D floats) against one key: weights[g * n] = dot(q_g, key) * scale.
+// The G dots run side by side (G a compile-time constant: their partial sums stay in registers), each the same
+// operations in the same order as dot().
+template <int64_t G>
+void group_scores(const float* q, const float* key, int64_t D, float scale, int64_t n, float* weights) {
+  Lanes acc[G] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= D; i += kLanes) {
+    const Lanes k = load(key + i);
+    for (int64_t g = 0; g < G; ++g) acc[g] += load(q + g * D + i) * k;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t l = 0; i + l < D; ++l) acc[g][l] += q[g * D + i + l] * key[i + l];
+    weights[g * n] = lane_sum(acc[g]) * scale;
+  }
+}
+
+// One head's weighted sum of the values over columns [d, d + B * kLanes): out = sum_j w[j] v_j / total, the terms
+// added in slot order, B column blocks side by side so that their sums do not wait on each other.
+template <int64_t B>
+void weighted_columns(const float* w, const float* values, const int32_t* slots, int64_t n, int64_t slot_stride,
+                      int64_t d, float inverse_total, float* out) {
+  Lanes sum[B] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const float* value = values + slots[j] * slot_stride + d;
+    for (int64_t b = 0; b < B; ++b) sum[b] += w[j] * load(value + b * kLanes);
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    const Lanes mean = sum[b] * inverse_total;
+    std::memcpy(out + d + b * kLanes, &mean, sizeof mean);
+  }
+}
+
 // One row's attention for the G query heads of one key-value head (q: G heads of D, out likewise):
 // softmax(q . k_s / sqrt(D)) over the row's slots s, times v_s, each head's sums in slot order. The G heads read each
 // key once. weights: G * n floats of room.
@@ -162,9 +195,15 @@ void attend(const float* q, const CallCache& cache, int64_t kv_head, const int32
   const float scale = kLog2E / std::sqrt(static_cast<float>(D));
   for (int64_t j = 0; j < n; ++j) {
     const float* key = keys + slots[j] * cache.key_slot_stride;
-    for (int64_t g = 0; g < G; ++g) weights[g * n + j] = dot(q + g * D, key, D) * scale;
+    switch (G) {  // the groups of the models served; any other size one head at a time
+      case 1: group_scores<1>(q, key, D, scale, n, weights + j); break;
+      case 2: group_scores<2>(q, key, D, scale, n, weights + j); break;
+      case 3: group_scores<3>(q, key, D, scale, n, weights + j); break;
+      case 4: group_scores<4>(q, key, D, scale, n, weights + j); break;
+      default:
+        for (int64_t g = 0; g < G; ++g) group_scores<1>(q + g * D, key, D, scale, n, weights + g * n + j);
+    }
   }
-  std::vector<float> inverse_totals(G);
   for (int64_t g = 0; g < G; ++g) {
     float* w = weights + g * n;
     float largest = -std::numeric_limits<float>::infinity();
@@ -172,21 +211,18 @@ void attend(const float* q, const CallCache& cache, int64_t kv_head, const int32
     for (int64_t j = 0; j < n; ++j) w[j] = exp2_approx(w[j] - largest);
     float total = 0.0f;
     for (int64_t j = 0; j < n; ++j) total += w[j];
-    inverse_totals[g] = 1.0f / total;
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    const float* w = weights + g * n;
+    const float inverse_total = 1.0f / total;
+    const int64_t stride = cache.value_slot_stride;
+    float* head = out + g * D;
     int64_t d = 0;
-    for (; d + kLanes <= D; d += kLanes) {
-      Lanes sum = {};
-      for (int64_t j = 0; j < n; ++j) sum += w[j] * load(values + slots[j] * cache.value_slot_stride + d);
-      const Lanes mean = sum * inverse_totals[g];
-      std::memcpy(out + g * D + d, &mean, sizeof mean);
+    for (; d + 4 * kLanes <= D; d += 4 * kLanes) {
+      weighted_columns<4>(w, values, slots, n, stride, d, inverse_total, head);
     }
+    for (; d + kLanes <= D; d += kLanes) weighted_columns<1>(w, values, slots, n, stride, d, inverse_total, head);
     for (; d < D; ++d) {  // a head width that is not a multiple of kLanes: its last columns one at a time
       float sum = 0.0f;
-      for (int64_t j = 0; j < n; ++j) sum += w[j] * values[slots[j] * cache.value_slot_stride + d];
-      out[g * D + d] = sum * inverse_totals[g];
+      for (int64_t j = 0; j < n; ++j) sum += w[j] * values[slots[j] * stride + d];
+      head[d] = sum * inverse_total;
     }
   }
 }
