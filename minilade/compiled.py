@@ -245,6 +245,8 @@ class CompiledSteps:
     over the rows read) stay eager, and they are the same for every row count.
     """
 
+    runs_prefill = False  # a prompt's prefill runs eagerly (Transformer.forward)
+
     def __init__(self, model: Transformer, graphs: Path | None = None) -> None:
         """graphs: a folder to keep the graphs in between processes (SavedGraphs); None: traced in this process."""
         self.groups = model.config.n_heads // model.config.n_kv_heads

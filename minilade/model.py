@@ -8,7 +8,8 @@ How attention is computed is one object the model holds and every layer calls, `
 `SDPAttention`: torch's scaled_dot_product_attention); it also says which KV cache it reads (`new_cache`). Another
 kernel is installed by swapping that object: minilade/invariance.py's batch-invariant one, for exact lookahead.
 Likewise `step_runner`, when set, runs every decoding step (a cache already holding rows) in place of the layer
-loop: minilade/compiled.py's compiled graphs.
+loop, and the prefill too where its `runs_prefill` says so: minilade/compiled.py's compiled graphs (steps only),
+minilade/native_steps.py's native layers (every forward).
 """
 
 from __future__ import annotations
@@ -260,7 +261,7 @@ class Transformer(nn.Module):
         if input_pos.dim() == 1:
             input_pos = input_pos.unsqueeze(0)
         self.cover_positions(cache.capacity)
-        if self.step_runner is not None and cache.length:
+        if self.step_runner is not None and (cache.length or self.step_runner.runs_prefill):
             return self.step_runner(self, tokens, input_pos, cache, mask, logits_rows)
         cos, sin = self.rotary(input_pos)  # (B|1, T, 1, D)
         past, kernel = cache.length, self.attention_kernel

@@ -13,7 +13,9 @@ the code fixes, not the row count; its attention visits the slots it sees in asc
 of their positions, so a token gets the same keys, values and logits as a row of a wide step or as a step of its
 own; the weight matmuls give each row the same bits at every row count. device.check_invariance verifies the whole
 step before it is used (compile_policy.choose_steps). The rounding is the operator's own, not the eager step's: a
-model runs all its decoding steps natively or none, its prefill eagerly, as with compiled steps.
+model runs every forward natively or none, the prefill included (unlike compiled steps, whose prefill is eager), so
+a prompt's rows are what decoding steps would give them: a prompt read in parts, or from rows kept from an earlier
+answer (the server's prefix cache), gets the bits of the whole prompt read at once.
 """
 
 from __future__ import annotations
@@ -74,11 +76,14 @@ def load() -> str | None:
 
 
 class NativeSteps:
-    """A model's step_runner (Transformer.forward hands it every step over a cache holding rows): the layers as one
+    """A model's step_runner (Transformer.forward hands it every forward, the prefill included): the layers as one
     native pass (layers_pass); the embedding, final norm and output head as the eager step runs them."""
 
     # In the keys under which step costs and exactness verdicts are kept: they hold for this source only.
     name = f"native {hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}"
+    # The prefill too (Transformer.forward): a prompt's rows then get the bits a decoding step would give them, so
+    # that rows kept from an answer serve a later prompt exactly, and a prompt read in parts gets its whole bits.
+    runs_prefill = True
 
     def __call__(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
                  mask: torch.Tensor | None, logits_rows: torch.Tensor | None) -> torch.Tensor:

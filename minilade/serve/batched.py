@@ -47,13 +47,15 @@ class ForwardCall:
     cache: KVCache
     mask: torch.Tensor | None = None
     logits_rows: torch.Tensor | None = None
-    prefill_part: bool = False  # a part of a prompt's prefill (prefill.prefill_calls): eager, as the whole prefill
+    prefill_part: bool = False  # a part of a prompt's prefill (prefill.prefill_calls): run as the whole prefill runs
 
 
 def runs_compiled(model: Transformer, call: ForwardCall) -> bool:
-    """Whether the model alone runs this call through its compiled step: a step over a cache holding rows, where the
-    model has compiled steps, except a part of a prefill (the model alone runs the whole prompt eagerly)."""
-    return model.step_runner is not None and call.cache.length > 0 and not call.prefill_part
+    """Whether the model alone runs this call through its step runner (native or compiled steps): every call where
+    the runner runs prefills too (native steps); else a step over a cache holding rows, except a part of a prefill
+    (the model alone runs the whole prompt eagerly)."""
+    runner = model.step_runner
+    return runner is not None and (runner.runs_prefill or call.cache.length > 0 and not call.prefill_part)
 
 
 @dataclass

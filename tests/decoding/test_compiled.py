@@ -108,6 +108,7 @@ def test_plain_decoding_runs_one_row_steps_through_the_compiled_runner() -> None
         rows.append(args[1].shape[1])
         return runner(*args)
 
+    counting.runs_prefill = runner.runs_prefill
     model.step_runner = counting
     tokens, run = run_tokens(model, [3, 1, 4], Autoregressive(), max_new_tokens=12)
     assert len(tokens) == 12 and rows == [1] * 11  # the prefill runs eagerly; every later step compiled

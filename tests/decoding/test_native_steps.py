@@ -82,6 +82,23 @@ def test_one_pass_gives_each_call_what_its_step_alone_gives() -> None:
         assert torch.equal(a.cache.k, b.cache.k) and torch.equal(a.cache.v, b.cache.v)
 
 
+def test_a_prompt_read_natively_in_parts_gets_the_bits_of_the_whole() -> None:
+    """Native steps run the prefill too (Transformer.forward hands it to them): a prompt read in two parts, or its
+    first part taken from rows a decoding step wrote, gives the logits and cache rows of the prompt read at once."""
+    model = native_model()
+    prompt = torch.arange(20) * 7 % 32
+    with torch.inference_mode():
+        whole = model.new_cache(32)
+        want = model(prompt[None], torch.arange(20), whole)
+        parts = model.new_cache(32)
+        model(prompt[None, :11], torch.arange(11), parts)
+        parts.commit(11)
+        got = model(prompt[None, 11:], torch.arange(11, 20), parts)
+    assert torch.equal(got, want[:, 11:])
+    assert torch.equal(parts.k[:, :, :, :20], whole.k[:, :, :, :20])
+    assert torch.equal(parts.v[:, :, :, :20], whole.v[:, :, :, :20])
+
+
 def test_native_steps_serve_float32_w7a8_models_only() -> None:
     assert native_missing(w7a8_model(kind="int4")) == "native steps need every layer's weights in w7a8, without biases"
     assert native_missing(w7a8_model().to(torch.bfloat16)) == "native steps compute in float32, not bfloat16"

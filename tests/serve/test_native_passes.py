@@ -25,28 +25,27 @@ def llm(tiny_ckpt, kept_tables) -> LLM:
 
 
 def test_a_pass_gives_each_call_the_logits_of_the_model_alone(llm):
-    """Decoding calls of 1, 4 and 3 rows through one native pass and a prefill's later part through the eager
-    layers, in one engine pass: each bitwise what the model alone gives it."""
+    """Decoding calls of 1, 4 and 3 rows and a prefill's later part, in one native pass (native steps run prefills
+    too): each bitwise what the model alone gives it, cache rows included."""
     model, passes = llm.model, NativePasses.checked(llm.model)
     assert passes is not None
     sizes = [(9, 1), (20, 4), (14, 3)]
-    together, alone = calls_over(model, sizes), calls_over(model, sizes)
-    with torch.inference_mode():
+
+    def calls() -> list[ForwardCall]:
         prefill = model.new_cache(64)
         model(torch.arange(20, 26)[None], torch.arange(6), prefill)
         prefill.length = 6  # the first part of a prompt read; the next part follows at rows [6, 10)
-        part = ForwardCall(torch.arange(26, 30)[None], torch.arange(6, 10), prefill, None, torch.tensor([3]),
-                           prefill_part=True)
-        assert [runs_compiled(model, call) for call in together + [part]] == [True, True, True, False]
-        got = batched_forward(model, [prepare_call(model, call) for call in together + [part]], passes)
-        want = [model(c.tokens, c.input_pos, c.cache, c.mask) for c in alone]
-        runner, model.step_runner = model.step_runner, None
-        try:
-            want.append(model(part.tokens, part.input_pos, prefill, None, part.logits_rows))
-        finally:
-            model.step_runner = runner
+        return calls_over(model, sizes) + [ForwardCall(torch.arange(26, 30)[None], torch.arange(6, 10), prefill, None,
+                                                       torch.tensor([3]), prefill_part=True)]
+
+    with torch.inference_mode():
+        together, alone = calls(), calls()
+        assert all(runs_compiled(model, call) for call in together)
+        got = batched_forward(model, [prepare_call(model, call) for call in together], passes)
+        want = [model(c.tokens, c.input_pos, c.cache, c.mask, c.logits_rows) for c in alone]
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    assert passes.groups([1, 4, 3]) == [[0, 1, 2]]
+    assert all(torch.equal(a.cache.k, b.cache.k) and torch.equal(a.cache.v, b.cache.v) for a, b in zip(together, alone))
+    assert passes.groups([1, 4, 3, 4]) == [[0, 1, 2, 3]]
 
 
 def test_concurrent_answers_equal_alone_through_native_steps(llm):
