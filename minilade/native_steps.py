@@ -1,12 +1,13 @@
-"""Decoding steps of w7a8 models as C++ layers: each layer of a step one call, every operation row by row.
+"""Every forward of a w7a8 model as native layers: one C++ operator call a pass, every operation row by row.
 
 A compiled step (compiled.py) runs some 20 generated kernels and external calls a layer from inductor's Python
 wrapper, each a parallel region of its own, and on a one-row step of the demo model that host work costs about as
-much again as the weight matmuls. `NativeSteps` runs each layer of a decoding step as one C++ operator
-(csrc/native_layer.cpp): the norms, the rounding of activations to 8-bit codes, rotary, the cache writes, attention
-and SwiGLU are loops over each row's own numbers, and the weight matmuls are fbgemm's w7a8 kernel over all rows, the
-same call W7A8Linear makes. The operator takes the rows of several calls, each over its own cache
-(`layers_pass`): the server runs the decoding steps of all its requests as one pass through it (serve/native_pass.py).
+much again as the weight matmuls. `NativeSteps` runs the layers of a forward as one call of a C++ operator
+(csrc/native_layer.cpp) that holds the model's layer weights (`registered`): the norms, the rounding of activations
+to 8-bit codes, rotary, the cache writes, attention and SwiGLU are loops over each row's own numbers, and the weight
+matmuls are fbgemm's w7a8 kernel over all rows, the same call W7A8Linear makes. The operator takes the rows of
+several calls, each over its own cache (`layers_pass`): the server runs every call of a pass, its requests' steps and
+prompt parts, as one pass through it (serve/native_pass.py).
 
 Exactness, by construction: a row's operations are the same code whatever the other rows are, with sums in an order
 the code fixes, not the row count; its attention visits the slots it sees in ascending order, which is the order
@@ -36,15 +37,24 @@ from .model import Transformer
 SOURCE = Path(__file__).parent / "csrc" / "native_layer.cpp"
 
 
+PROMPT_PART = 256  # rows of a long causal forward (a prompt) a pass at most: its visible slots grow as rows x keys
+
+
 class NativeCall(NamedTuple):
-    """One call's part of a native pass: tokens (T,), their rotary positions (T,), its cache (holding rows; the
-    call's keys and values go to slots [cache.length, cache.length + T)) and its mask (T, T) or None (causal), as
-    Transformer.forward takes them."""
+    """One call's part of a native pass: tokens (T,), their rotary positions (T,), its cache and its mask (T, T) or
+    None (causal), as Transformer.forward takes them; past: the cache rows the call's rows follow (None:
+    cache.length), its keys and values going to slots [past, past + T)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
     cache: KVCache
     mask: torch.Tensor | None
+    past: int | None = None
+
+    @property
+    def start(self) -> int:
+        """The slot of the call's first row."""
+        return self.cache.length if self.past is None else self.past
 
 
 def native_missing(model: Transformer) -> str | None:
@@ -69,7 +79,7 @@ def load() -> str | None:
     """Build (once a machine: the source is compiled for its processor) and load the operator; None when it is
     loaded, else why not, in one line. -ffp-contract=off: no multiply-add is fused, so that a loop's vectorised body
     and its scalar remainder round alike."""
-    if hasattr(torch.ops.minilade_native_layer, "layer"):
+    if hasattr(torch.ops.minilade_native_layer, "layers"):
         return None
     return native.build("native_layer", SOURCE, ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                         what="native layer", for_processor=True)
@@ -87,10 +97,18 @@ class NativeSteps:
 
     def __call__(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
                  mask: torch.Tensor | None, logits_rows: torch.Tensor | None) -> torch.Tensor:
-        """As Transformer.forward: tokens (1, T), input_pos (1, T); returns logits (1, R, V)."""
+        """As Transformer.forward: tokens (1, T), input_pos (1, T); returns logits (1, R, V). A long causal forward
+        (a prompt) runs in passes of PROMPT_PART rows, each after the ones before: the same bits, since a row's
+        result does not depend on the rows of its pass."""
         if tokens.shape[0] != 1:
             raise ValueError(f"native steps run one sequence a cache, not {tokens.shape[0]}")
-        x = layers_pass(model, [NativeCall(tokens[0], input_pos.reshape(-1), cache, mask)])
+        positions, part = input_pos.reshape(-1), PROMPT_PART
+        if mask is not None:  # a step whose rows see each other as its mask says: one pass
+            x = layers_pass(model, [NativeCall(tokens[0], positions, cache, mask)])
+        else:  # causal: in parts, each after the ones before
+            x = torch.cat([layers_pass(model, [NativeCall(tokens[0, a:a + part], positions[a:a + part], cache, None,
+                                                          cache.length + a)])
+                           for a in range(0, tokens.shape[1], part)])
         if logits_rows is not None:
             x = x[logits_rows]
         return model.output(model.norm(x[None]))
@@ -106,7 +124,7 @@ def layers_pass(model: Transformer, calls: list[NativeCall]) -> torch.Tensor:
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cat(counts).cumsum(0)])
     slots = torch.cat(slots)
     keys, values = [call.cache.k for call in calls], [call.cache.v for call in calls]
-    rows, past = [call.tokens.shape[0] for call in calls], [call.cache.length for call in calls]
+    rows, past = [call.tokens.shape[0] for call in calls], [call.start for call in calls]
     x = model.tok_embeddings(tokens).to(model.dtype).contiguous()
     return torch.ops.minilade_native_layer.layers(registered(model), x, cos, sin, keys, values, rows, past, slots,
                                                   offsets)
@@ -139,7 +157,7 @@ def visible_slots(model: Transformer, call: NativeCall) -> tuple[torch.Tensor, t
     (T,): the committed rows and the step rows its mask allows, cut by any sliding window
     (Transformer.step_masks)."""
     T = call.tokens.shape[0]
-    visible, _ = model.step_masks(call.mask, call.cache.length, T, call.positions)  # (T, past + T)
+    visible, _ = model.step_masks(call.mask, call.start, T, call.positions)  # (T, past + T)
     if visible is None:  # a causal step over an empty cache
         visible = torch.ones(T, T, dtype=torch.bool).tril_()
     return visible.nonzero()[:, 1].to(torch.int32), visible.sum(1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minilade import Auto, Lookahead, compile_policy
+from minilade import Auto, Lookahead, compile_policy, native_steps
 from minilade.compile_policy import choose_steps
 from minilade.config import ModelConfig
 from minilade.device import check_invariance, make_exact
@@ -97,6 +97,20 @@ def test_a_prompt_read_natively_in_parts_gets_the_bits_of_the_whole() -> None:
     assert torch.equal(got, want[:, 11:])
     assert torch.equal(parts.k[:, :, :, :20], whole.k[:, :, :, :20])
     assert torch.equal(parts.v[:, :, :, :20], whole.v[:, :, :, :20])
+
+
+def test_a_long_prompt_runs_in_parts_with_the_bits_of_one_pass(monkeypatch) -> None:
+    """A causal forward longer than PROMPT_PART rows runs in passes of that many (bounding its visible slots, which
+    grow as rows x keys): the same logits and cache rows as in one pass."""
+    model = native_model()
+    prompt = torch.arange(23) * 5 % 32
+    results = []
+    for part in (native_steps.PROMPT_PART, 4):
+        monkeypatch.setattr(native_steps, "PROMPT_PART", part)
+        with torch.inference_mode():
+            cache = model.new_cache(32)
+            results.append((model(prompt[None], torch.arange(23), cache), cache.k.clone(), cache.v.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_native_steps_serve_float32_w7a8_models_only() -> None:
