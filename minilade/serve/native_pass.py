@@ -14,7 +14,6 @@ of three probe calls of unequal widths against each call alone, bit for bit, bef
 from __future__ import annotations
 
 import sys
-from typing import Callable
 
 import torch
 
@@ -23,6 +22,7 @@ from ..model import Transformer
 from ..native_steps import NativeCall, NativeSteps, layers_pass
 from .batched import ForwardCall
 from .compiled_pass import PROBE_ROOM, calls_over
+from .planner import rows_together
 
 
 class NativePasses:
@@ -67,15 +67,8 @@ class NativePasses:
         logits = model.output(model.norm(torch.cat(picked)[None]))
         return list(logits.split(counts, dim=1))
 
-    @staticmethod
-    def pass_cost(other_rows: list[int], eager_rows: list[int], costs: Callable[[int], float]
-                  ) -> Callable[[int], float]:
-        """planner.PassCost: seconds of a pass whose other generations feed other_rows in decoding calls and
-        eager_rows in parts of their prompts, by the rows this one feeds: one step of every decoding row, and one
-        eager pass of the prompts' rows."""
-        prompts = costs(sum(eager_rows)) if eager_rows else 0.0
-        others = sum(other_rows)
-        return lambda rows: prompts + costs(others + rows)
+    # planner.PassCost: one step of every row the pass's generations feed (native steps run prompt parts too)
+    pass_cost = staticmethod(rows_together)
 
     @staticmethod
     def groups(rows: list[int]) -> list[list[int]]:

@@ -11,7 +11,8 @@ above both its plain step beside what the others feed and the pass with every ge
 one-row calls share a pass far more cheaply than wider ones, generations that draft together may each find
 drafting best only because the others draft), down to none (plain batched decoding) when rows stop paying. What a
 pass costs depends on how it runs: where every row goes through the layers together (eager, batched.py), it is one
-step's cost of all their rows (`rows_together`); where the model's steps are compiled (compiled_pass.py), one-row
+step's cost of all their rows (`rows_together`), and likewise where they are native (native_pass.py: one native
+pass of every call, prompt parts included); where the model's steps are compiled (compiled_pass.py), one-row
 calls share the pool's pass, wider calls go in groups, each pass as measured when the engine starts
 (compiled_pass.SharedPasses.pass_cost), and parts of prompts run in an eager pass of their own. What the others
 feed is what they fed or planned last: an auto generation tells its plan before each step (rows, expected tokens);
