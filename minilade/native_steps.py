@@ -106,9 +106,10 @@ class NativeSteps:
         if mask is not None:  # a step whose rows see each other as its mask says: one pass
             x = layers_pass(model, [NativeCall(tokens[0], positions, cache, mask)])
         else:  # causal: in parts, each after the ones before
-            x = torch.cat([layers_pass(model, [NativeCall(tokens[0, a:a + part], positions[a:a + part], cache, None,
-                                                          cache.length + a)])
-                           for a in range(0, tokens.shape[1], part)])
+            parts = [layers_pass(model, [NativeCall(tokens[0, a:a + part], positions[a:a + part], cache, None,
+                                                    cache.length + a)])
+                     for a in range(0, tokens.shape[1], part)]
+            x = parts[0] if len(parts) == 1 else torch.cat(parts)
         if logits_rows is not None:
             x = x[logits_rows]
         return model.output(model.norm(x[None]))

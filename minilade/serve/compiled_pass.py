@@ -94,11 +94,7 @@ class SharedPasses:
                 else:
                     got = passes.run_group(model, together)
                 want = [model(c.tokens, c.input_pos, c.cache, c.mask) for c in alone]
-            written = [(a.cache, b.cache, a.cache.length + a.tokens.shape[1]) for a, b in zip(together, alone)]
-            same = all(torch.equal(a, b) for a, b in zip(got, want)) and all(
-                torch.equal(a.k[:, :, :, :end], b.k[:, :, :, :end]) and
-                torch.equal(a.v[:, :, :, :end], b.v[:, :, :, :end]) for a, b, end in written)
-            if not same:
+            if not same_as_alone(together, got, alone, want):
                 print(f"minilade: served requests' compiled steps run one after another (a shared pass of "
                       f"{'one-row' if rows == 1 else 'wider'} calls did not give each its own step's logits)",
                       file=sys.stderr)
@@ -263,6 +259,16 @@ def layer_args(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: 
     """pass_layer_step's arguments for one layer: each call's slots, this layer's cache views and its layout."""
     return (block, x, cos, sin, *(t for _, _, _, _, slots, keys, values, *step_layout in steps
                                   for t in (slots, keys[layer], values[layer], *step_layout)))
+
+
+def same_as_alone(together: list[ForwardCall], got: list[torch.Tensor], alone: list[ForwardCall],
+                  want: list[torch.Tensor]) -> bool:
+    """Whether calls run in a shared pass (together, their logits got) gave each the logits and written cache rows
+    that the same calls run alone did (alone, want), bit for bit: the check a shared pass must pass before use."""
+    written = [(a.cache, b.cache, a.cache.length + a.tokens.shape[1]) for a, b in zip(together, alone)]
+    return all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and all(
+        torch.equal(a.k[:, :, :, :end], b.k[:, :, :, :end]) and torch.equal(a.v[:, :, :, :end], b.v[:, :, :, :end])
+        for a, b, end in written)
 
 
 def probe_calls(model: Transformer, n: int, rows: int) -> list[ForwardCall]:

@@ -21,7 +21,7 @@ from ..kv_cache import KVCache
 from ..model import Transformer
 from ..native_steps import NativeCall, NativeSteps, layers_pass
 from .batched import ForwardCall
-from .compiled_pass import PROBE_ROOM, calls_over
+from .compiled_pass import PROBE_ROOM, calls_over, same_as_alone
 from .planner import rows_together
 
 
@@ -43,11 +43,7 @@ class NativePasses:
         with torch.inference_mode():
             got = passes(model, together)
             want = [model(c.tokens, c.input_pos, c.cache, c.mask) for c in alone]
-        written = [(a.cache, b.cache, a.cache.length + a.tokens.shape[1]) for a, b in zip(together, alone)]
-        same = all(torch.equal(a, b) for a, b in zip(got, want)) and all(
-            torch.equal(a.k[:, :, :, :end], b.k[:, :, :, :end]) and torch.equal(a.v[:, :, :, :end], b.v[:, :, :, :end])
-            for a, b, end in written)
-        if not same:
+        if not same_as_alone(together, got, alone, want):
             print("minilade: served requests' native steps run one after another (a shared pass did not give each "
                   "call its own step's logits)", file=sys.stderr)
             return None
