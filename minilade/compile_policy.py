@@ -23,7 +23,8 @@ from .invariance import RowTiledLinear
 from .masks import interleaved_step
 from .memo import read_table, write_entry
 from .model import Transformer
-from .native_steps import NativeSteps, native_missing
+from .native_steps import NativeSteps, unserved
+from .native_steps import load as load_native
 from .saved_graphs import GRAPHS_FOLDER, compile_at_once
 
 
@@ -52,13 +53,17 @@ def choose_steps(model: Transformer, check_file: str | Path | None = None, *, fo
         return f"eager steps ({missing})"
     if model.device.type != "cpu" or (dist.is_available() and dist.is_initialized()):
         return "eager steps"
-    if not force and native_missing(model) is None:
-        model.step_runner = NativeSteps()
-        known = verdict(model, check_file, "native")
-        if known["exact"] and known["native_s"] < known["eager_s"]:
-            return f"native steps ({known['native_s'] * 1e3:.0f} ms for a 1- and an 8-row step, eager " \
-                   f"{known['eager_s'] * 1e3:.0f})"
-        model.step_runner = None
+    if not force and unserved(model) is None:
+        unbuilt = load_native()
+        if unbuilt is not None:
+            print(f"minilade: native steps unavailable ({unbuilt}); trying compiled steps", file=sys.stderr)
+        else:
+            model.step_runner = NativeSteps()
+            known = verdict(model, check_file, "native")
+            if known["exact"] and known["native_s"] < known["eager_s"]:
+                return f"native steps ({known['native_s'] * 1e3:.0f} ms for a 1- and an 8-row step, eager " \
+                       f"{known['eager_s'] * 1e3:.0f})"
+            model.step_runner = None
     compile_steps(model, Path(check_file).parent / GRAPHS_FOLDER if check_file is not None else None)
     if not force and any(m.graph_rows > 1 for m in model.modules() if isinstance(m, RowTiledLinear)):
         model.step_runner = None

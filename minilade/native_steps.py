@@ -58,9 +58,14 @@ class NativeCall(NamedTuple):
 
 
 def native_missing(model: Transformer) -> str | None:
-    """Why this model's steps cannot run as native layers, or None: they need the CPU, float32 activations, every
-    layer's weight matmuls in w7a8 without biases, an even head width up to 512, and the operator, built here (once
-    a machine, in seconds)."""
+    """Why this model's steps cannot run as native layers, or None: a model they do not serve (unserved), or the
+    operator not built here (load: once a machine, in seconds)."""
+    return unserved(model) or load()
+
+
+def unserved(model: Transformer) -> str | None:
+    """Why native steps do not serve this model, or None: they need the CPU, float32 activations, every layer's
+    weight matmuls in w7a8 without biases, and an even head width up to 512."""
     if model.device.type != "cpu":
         return f"native steps run on the CPU, not {model.device.type}"
     if model.dtype != torch.float32:
@@ -72,7 +77,7 @@ def native_missing(model: Transformer) -> str | None:
         linears = (block.attention.wqkv, block.attention.wo, block.feed_forward.w_gate_up, block.feed_forward.w_down)
         if not all(isinstance(m, W7A8Linear) and m.bias is None for m in linears):
             return "native steps need every layer's weights in w7a8, without biases"
-    return load()
+    return None
 
 
 def load() -> str | None:

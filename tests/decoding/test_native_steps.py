@@ -133,3 +133,18 @@ def test_choose_steps_installs_native_steps_where_they_pass_and_measure_faster(t
     model.step_runner = None
     assert choose_steps(model, check_file).startswith("native steps")
     assert isinstance(model.step_runner, NativeSteps)
+
+
+def test_choose_steps_says_why_when_the_operator_does_not_build_and_tries_compiled_steps(monkeypatch, capsys) -> None:
+    class CompiledStepsTried(Exception):
+        pass
+
+    def compile_steps(model, graphs):
+        raise CompiledStepsTried
+
+    monkeypatch.setattr(compile_policy, "load_native", lambda: "the C++ native layer operator did not build: a test's")
+    monkeypatch.setattr(compile_policy, "compile_steps", compile_steps)
+    with pytest.raises(CompiledStepsTried):
+        choose_steps(w7a8_model())
+    assert capsys.readouterr().err == ("minilade: native steps unavailable (the C++ native layer operator did not "
+                                       "build: a test's); trying compiled steps\n")
