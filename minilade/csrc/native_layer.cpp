@@ -1,5 +1,6 @@
-// minilade_native_layer::layers: every transformer layer of a decoding pass over w7a8 weights, in C++
-// (native_steps.py). A model's layers are registered once (add_layer, under a key; forget_model when it goes).
+// minilade_native_layer::layers: every transformer layer of a forward pass (decoding steps and prompts) over w7a8
+// weights, in C++ (native_steps.py). A model's layers are registered once (add_layer, under a key; forget_model
+// when it goes).
 //
 // x (R, dim) float32 holds the rows of one or more calls, each over its own KV cache: call c owns rows
 // [start_c, start_c + T_c), writes their keys and values into its cache at slots [past_c, past_c + T_c), and each
