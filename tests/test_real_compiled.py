@@ -7,12 +7,11 @@ import json
 
 import pytest
 
-from minilade.decoding import Autoregressive
 from minilade.decoding.lookahead import Lookahead
 from minilade.llm import LLM
 
 from .helpers import run_cli
-from .test_real_model import PROMPTS
+from .test_real_model import PROMPTS, assert_equal_plain_decoding
 
 # The graphs compile once (over a minute on 2 cores), in the worker that runs this module's tests.
 pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("real-compiled")]
@@ -33,12 +32,7 @@ def test_compiled_steps_pass_the_exactness_check(llm) -> None:
 
 @pytest.mark.parametrize("name", ["code", "chat", "math"])
 def test_greedy_auto_and_lookahead_equal_plain_decoding_through_compiled_steps(llm, name: str) -> None:
-    text, chat = PROMPTS[name]
-    reference = llm.generate(text, chat=chat, max_new_tokens=48, strategy=Autoregressive())
-    for strategy in ("auto", Lookahead(window=5, ngram=4, guesses=5)):
-        got = llm.generate(text, chat=chat, max_new_tokens=48, strategy=strategy)
-        assert got.token_ids == reference.token_ids and got.text == reference.text
-        assert got.stats.forward_passes <= reference.stats.forward_passes
+    assert_equal_plain_decoding(llm, name, ("auto", Lookahead(window=5, ngram=4, guesses=5)), max_new_tokens=48)
 
 
 def test_the_cli_loads_the_kept_graphs_instead_of_compiling(llm, smollm2_gguf) -> None:

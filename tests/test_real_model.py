@@ -21,6 +21,17 @@ PROMPTS = {
 }
 
 
+def assert_equal_plain_decoding(llm: LLM, name: str, strategies: tuple, max_new_tokens: int) -> None:
+    """Greedy generations of PROMPTS[name] with each of `strategies` give plain decoding's tokens and text, in no
+    more forward passes."""
+    text, chat = PROMPTS[name]
+    reference = llm.generate(text, chat=chat, max_new_tokens=max_new_tokens, strategy=Autoregressive())
+    for strategy in strategies:
+        got = llm.generate(text, chat=chat, max_new_tokens=max_new_tokens, strategy=strategy)
+        assert got.token_ids == reference.token_ids and got.text == reference.text
+        assert got.stats.forward_passes <= reference.stats.forward_passes
+
+
 @pytest.fixture(scope="module")
 def llm(smollm2_gguf) -> LLM:
     return LLM.load(smollm2_gguf, dtype="float32", device="cpu", progress=False, compile=False)
@@ -47,12 +58,8 @@ def test_greedy_equals_transformers(llm, hf_model, name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(PROMPTS))
 def test_greedy_lookahead_equals_autoregressive(llm, name: str) -> None:
-    text, chat = PROMPTS[name]
-    reference = llm.generate(text, chat=chat, max_new_tokens=64, strategy=Autoregressive())
-    for strategy in (Lookahead(window=5, ngram=4, guesses=5), Lookahead(window=3, ngram=2, guesses=3)):
-        got = llm.generate(text, chat=chat, max_new_tokens=64, strategy=strategy)
-        assert got.token_ids == reference.token_ids and got.text == reference.text
-        assert got.stats.forward_passes <= reference.stats.forward_passes
+    assert_equal_plain_decoding(llm, name, (Lookahead(window=5, ngram=4, guesses=5),
+                                            Lookahead(window=3, ngram=2, guesses=3)), max_new_tokens=64)
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from minilade.decoding import Autoregressive
 from minilade.decoding.lookahead import Lookahead
 from minilade.device import check_invariance
 from minilade.llm import LLM
 from minilade.native_steps import NativeSteps, native_missing
 
-from .test_real_model import PROMPTS
+from .test_real_model import assert_equal_plain_decoding
 
 pytestmark = pytest.mark.real_model
 
@@ -31,9 +30,4 @@ def test_native_steps_pass_the_exactness_check(llm) -> None:
 
 @pytest.mark.parametrize("name", ["code", "chat", "math"])
 def test_greedy_auto_and_lookahead_equal_plain_decoding_through_native_steps(llm, name: str) -> None:
-    text, chat = PROMPTS[name]
-    reference = llm.generate(text, chat=chat, max_new_tokens=48, strategy=Autoregressive())
-    for strategy in ("auto", Lookahead(window=5, ngram=4, guesses=5)):
-        got = llm.generate(text, chat=chat, max_new_tokens=48, strategy=strategy)
-        assert got.token_ids == reference.token_ids and got.text == reference.text
-        assert got.stats.forward_passes <= reference.stats.forward_passes
+    assert_equal_plain_decoding(llm, name, ("auto", Lookahead(window=5, ngram=4, guesses=5)), max_new_tokens=48)
