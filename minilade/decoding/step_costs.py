@@ -1,4 +1,4 @@
-"""What a forward pass costs on this machine as a function of the tokens it feeds: measured, interpolated, kept."""
+"""What a decoding step costs on this machine as a function of the tokens it feeds: measured, interpolated, kept."""
 
 from __future__ import annotations
 
@@ -15,19 +15,28 @@ from torch import nn
 
 from ..frame_stack import on_fresh_frame_chunk
 from ..invariance import KERNELS_VERSION
-from ..masks import interleaved_step
+from ..masks import CandidateTree, LookaheadLayout, StepShape
 from ..memo import processor, read_table, write_entry
 from ..model import Transformer
-from .base import Agree, single_process
+from ..sampling import Sampler, SamplingParams
+from .base import Agree, DecodeContext, single_process
+from .lookahead import packed_step
 
 
 def measure_step_costs(model: Transformer, sizes: Iterable[int], *, context: int = 256, repeats: int = 3
                        ) -> dict[int, float]:
-    """Median seconds of one forward pass of T tokens (all rows projected to the vocabulary) after `context`
-    committed tokens, for each T in sizes, the rows masked as a lookahead step's are (interleaved chains: the
-    batch-invariant attention takes its slower path for them, as in real steps). Sizes are measured
-    round-robin, after one warm-up pass each. The context shrinks so that the steps' positions fit the
-    model's; a step longer than that reuses positions (its cost does not depend on them)."""
+    """Median seconds of one decoding step of T tokens after `context` committed tokens, for each T in sizes,
+    timed as decoding runs it, host work included: one row is a plain step (the forward and the pick of its
+    token); more rows are x and T - 1 draft tokens in chains of up to DRAFT_CHAIN, put through lookahead.packed_step
+    (the step's mask, the forward over the tree-masked rows, verification, keeping the accepted rows' keys and
+    values). A drafted step's host work (some tenths of a millisecond in Python) is a cost the plan must weigh as
+    much as the forward's.
+
+    Sizes are measured round-robin, after one warm-up round, widest first; each sample is a step after PLAIN_BEFORE
+    plain ones, as decoding's steps mostly follow plain steps: a pass after a much wider one runs slower for a few
+    passes (a one-row pass right after a 30-row one by some 20%, the third after it by 5%), which a round of
+    ascending sizes would charge to the narrow ones, making a few drafted rows look nearly free against a plain
+    step. The context shrinks so that the steps' positions fit the model's."""
     return compare_step_costs({None: model}, sizes, context=context, repeats=repeats)[None]
 
 
@@ -35,45 +44,68 @@ def compare_step_costs(models: dict, sizes: Iterable[int], *, context: int = 256
                        ) -> dict[object, dict[int, float]]:
     """measure_step_costs for several models at once, by name: each round times every size of every model in
     turn, so that a slow spell of a shared machine falls on all of them alike."""
-    sizes = sorted(set(sizes))
+    sizes = sorted(set(sizes), reverse=True)
     timers = {name: _StepTimer(model, max(sizes), context) for name, model in models.items()}
-    samples: dict = {name: {T: [] for T in sizes} for name in models}
+    samples: dict = {name: {T: [] for T in sorted(sizes)} for name in models}
     for rep in range(repeats + 1):
         for name, timer in timers.items():
             for T in sizes:
+                for _ in range(PLAIN_BEFORE):
+                    timer.time(1)
                 seconds = timer.time(T)
                 if rep:  # the first round is warm-up
                     samples[name][T].append(seconds)
     return {name: {T: sorted(s)[len(s) // 2] for T, s in by_size.items()} for name, by_size in samples.items()}
 
 
+PLAIN_BEFORE = 2  # plain steps before each timed one
+DRAFT_CHAIN = 4  # the longest draft path of a timed step (the paths of auto's steps are mostly this short or shorter)
+
+
 class _StepTimer:
-    """Times a forward pass of T random tokens, masked as a lookahead step, over one prefilled cache."""
+    """Times greedy decoding steps of random tokens over one prefilled cache, rolled back after each step."""
 
     def __init__(self, model: Transformer, max_rows: int, context: int) -> None:
-        self.model, self.limit = model, model.config.max_seq_len
-        self.context = max(0, min(context, self.limit - max_rows - 1))
+        self.model = model
+        self.context = max(0, min(context, model.config.max_seq_len - DRAFT_CHAIN - 1))
         self.gen = torch.Generator().manual_seed(0)
         with torch.inference_mode(False):  # a cache as generation makes one, even when measured inside a generation
-            self.cache = model.new_cache(self.context + max_rows)
+            cache = model.new_cache(self.context + max_rows)
+        self.ctx = DecodeContext(model, cache, Sampler(SamplingParams(), model.device), [], model.config.max_seq_len)
+        self.verify_shape = StepShape(LookaheadLayout(window=1, ngram=2, guesses=0), with_window=False,
+                                      device=model.device)
         if self.context > 0:
             device = model.device
             with torch.inference_mode():
-                model(torch.randint(model.config.vocab_size, (1, self.context), generator=self.gen).to(device),
-                      torch.arange(self.context, device=device), self.cache,
-                      logits_rows=torch.zeros(1, dtype=torch.long, device=device))
-            self.cache.commit(self.context)
+                model(self.random_tokens(self.context)[None].to(device), torch.arange(self.context, device=device),
+                      cache, logits_rows=torch.zeros(1, dtype=torch.long, device=device))
+            cache.commit(self.context)
+
+    def random_tokens(self, n: int) -> torch.Tensor:
+        return torch.randint(self.model.config.vocab_size, (n,), generator=self.gen)
 
     def time(self, T: int) -> float:
-        model, device = self.model, self.model.device
-        tokens = torch.randint(model.config.vocab_size, (1, T), generator=self.gen).to(device)
-        positions, mask = interleaved_step(self.context, T, lanes=4)
+        """Seconds of one step of T rows: x and T - 1 draft tokens in paths of up to DRAFT_CHAIN (with distinct
+        first tokens, so that no two share a node of the trie)."""
+        tokens = self.random_tokens(T).tolist()
+        paths = [tokens[i:i + DRAFT_CHAIN] for i in range(1, T, DRAFT_CHAIN)]
+        for path, first in zip(paths, torch.randperm(self.model.config.vocab_size, generator=self.gen).tolist()):
+            path[0] = first
+        x = torch.tensor(tokens[:1])
         with torch.inference_mode():
             start = time.perf_counter()  # from a fresh frame-stack chunk, as the decoding loop runs its steps
-            on_fresh_frame_chunk(model, tokens, positions.to(device) % self.limit, self.cache, mask.to(device))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            return time.perf_counter() - start
+            on_fresh_frame_chunk(self._step, x, paths)
+            seconds = time.perf_counter() - start
+        self.ctx.cache.truncate(self.context)
+        return seconds
+
+    def _step(self, x: torch.Tensor, paths: list[list[int]]) -> None:
+        ctx, device = self.ctx, self.model.device
+        if paths:
+            packed_step(ctx, self.verify_shape, x, CandidateTree.of(paths))
+        else:  # a plain step, as Decoder.single_step runs it
+            logits = ctx.model(x[None].to(device), torch.tensor([self.context], device=device), ctx.cache)
+            int(ctx.sampler.pick(logits[0, -1]))
 
 
 class StepCosts:
@@ -132,7 +164,7 @@ def cost_key(model: Transformer) -> str:
     steps = f"|{model.step_runner.name} steps" if model.step_runner is not None else ""  # compiled.py's
     return (f"L{c.n_layers}-d{c.dim}-h{c.n_heads}/{c.n_kv_heads}-ff{c.intermediate_size}-v{c.vocab_size}|"
             f"{model.dtype}{f' ({quantized})' if quantized else ''}{steps}|{device}|threads {torch.get_num_threads()}|"
-            f"torch {torch.__version__}|lookahead mask|kernels {KERNELS_VERSION}")
+            f"torch {torch.__version__}|steps as decoding runs them|kernels {KERNELS_VERSION}")
 
 
 def quantized_layers(model: nn.Module) -> str:

@@ -114,26 +114,31 @@ def test_measured_costs_are_kept_in_the_cost_file(monkeypatch, tmp_path) -> None
     assert step_costs_for(other, [1, 4, 9], cost_file).seconds == costs.seconds
 
 
-def test_measure_step_costs_times_each_size_after_a_warm_up(monkeypatch) -> None:
-    """Every size is run once to warm up and then `repeats` times, round-robin, after the context prefill, with all
-    its rows fed at the positions that follow the context; the median of its timed runs is reported."""
+def test_measure_step_costs_times_steps_as_decoding_runs_them(monkeypatch) -> None:
+    """After the context prefill, every size is run once to warm up and then `repeats` times, round-robin, widest
+    first, each time after PLAIN_BEFORE plain steps: one row as a plain step (no mask), more as x and a tree of
+    drafts (masked), at the positions that follow the context, the cache rolled back after each step; the median
+    of a size's timed steps is reported."""
     model = tiny_model(vocab=12, seed=1)
     fed, now = [], [0.0]
     forward = model.forward
-    durations = iter([0.1, 5.0, 9.0, 3.0, 2.0, 7.0, 1.0, 8.0, 4.0, 6.0, 11.0, 10.0, 12.0] * 2)
+    timed = iter([5.0, 9.0, 3.0, 2.0, 7.0, 1.0, 8.0, 4.0, 6.0, 11.0, 10.0, 12.0])
+    plain_before = step_costs.PLAIN_BEFORE
 
     def recording(tokens, input_pos, cache, mask=None, logits_rows=None):
-        fed.append((tokens.shape[1], int(input_pos[0]), cache.length))
-        now[0] += next(durations)  # a fake clock that each forward pass advances by a chosen duration
+        fed.append((tokens.shape[1], int(input_pos.reshape(-1)[0]), cache.length, mask is not None))
+        if len(fed) > 1:  # a fake clock that each step's forward advances: 100 for the plain steps before it
+            now[0] += 100.0 if (len(fed) - 2) % (plain_before + 1) < plain_before else next(timed)
         return forward(tokens, input_pos, cache, mask, logits_rows)
 
     monkeypatch.setattr(model, "forward", recording)
     monkeypatch.setattr(step_costs.time, "perf_counter", lambda: now[0])
     seconds = step_costs.measure_step_costs(model, [8, 1, 3], context=16, repeats=3)
-    assert fed[0] == (16, 0, 0)  # the context
-    assert fed[1:] == [(T, 16, 16) for _ in range(4) for T in (1, 3, 8)]  # round-robin, warm-up round first
-    # Passes after the context took 5, 9, 3 (warm-up), then 2, 7, 1 | 8, 4, 6 | 11, 10, 12 for sizes 1, 3, 8.
-    assert seconds == {1: 8.0, 3: 7.0, 8: 6.0}
+    assert fed[0] == (16, 0, 0, False)  # the context
+    plain = [(1, 16, 16, False)] * plain_before
+    assert fed[1:] == [row for _ in range(4) for T in (8, 3, 1) for row in plain + [(T, 16, 16, T > 1)]]
+    # Timed steps took 5, 9, 3 (warm-up), then 2, 7, 1 | 8, 4, 6 | 11, 10, 12 for sizes 8, 3, 1.
+    assert seconds == {8: 8.0, 3: 7.0, 1: 6.0}
 
 
 def test_a_cost_file_with_bad_entries_is_measured_again(monkeypatch, tmp_path) -> None:
