@@ -85,8 +85,9 @@ class _StepTimer:
         return torch.randint(self.model.config.vocab_size, (n,), generator=self.gen)
 
     def time(self, T: int) -> float:
-        """Seconds of one step of T rows: x and T - 1 draft tokens in paths of up to DRAFT_CHAIN (with distinct
-        first tokens, so that no two share a node of the trie)."""
+        """Seconds of one step of T rows: x and T - 1 draft tokens in paths of up to DRAFT_CHAIN, with distinct
+        first tokens so that no two paths share a node of the trie (on any vocabulary of at least (T - 1) / DRAFT_CHAIN
+        tokens)."""
         tokens = self.random_tokens(T).tolist()
         paths = [tokens[i:i + DRAFT_CHAIN] for i in range(1, T, DRAFT_CHAIN)]
         for path, first in zip(paths, torch.randperm(self.model.config.vocab_size, generator=self.gen).tolist()):
