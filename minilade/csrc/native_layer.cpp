@@ -153,78 +153,144 @@ CallCache layer_cache(const at::Tensor& k, const at::Tensor& v, int64_t layer) {
           k.stride(2), k.stride(3), v.stride(2), v.stride(3)};
 }
 
-// The scaled scores of G query heads (q: G heads of D floats) against one key: weights[g * n] = dot(q_g, key) * scale.
-// The G dots run side by side (G a compile-time constant: their partial sums stay in registers), each the same
-// operations in the same order as dot().
-template <int64_t G>
-void group_scores(const float* q, const float* key, int64_t D, float scale, int64_t n, float* weights) {
-  Lanes acc[G] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= D; i += kLanes) {
-    const Lanes k = load(key + i);
-    for (int64_t g = 0; g < G; ++g) acc[g] += load(q + g * D + i) * k;
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t l = 0; i + l < D; ++l) acc[g][l] += q[g * D + i + l] * key[i + l];
-    weights[g * n] = lane_sum(acc[g]) * scale;
-  }
-}
-
-// One head's weighted sum of the values over columns [d, d + B * kLanes): out = sum_j w[j] v_j / total, the terms
-// added in slot order, B column blocks side by side so that their sums do not wait on each other.
-template <int64_t B>
+// The G heads' weighted sums of the values over columns [d, d + B * kLanes): out_g = sum_j w_g[j] v_j / total_g,
+// the terms added in slot order, the G x B column blocks side by side so that their sums do not wait on each other;
+// each value row read once for all G heads.
+template <int64_t G, int64_t B>
 void weighted_columns(const float* w, const float* values, const int32_t* slots, int64_t n, int64_t slot_stride,
-                      int64_t d, float inverse_total, float* out) {
-  Lanes sum[B] = {};
+                      int64_t d, int64_t D, const float* inverse_total, float* out) {
+  Lanes sum[G][B] = {};
   for (int64_t j = 0; j < n; ++j) {
     const float* value = values + slots[j] * slot_stride + d;
-    for (int64_t b = 0; b < B; ++b) sum[b] += w[j] * load(value + b * kLanes);
+    Lanes v[B];
+    for (int64_t b = 0; b < B; ++b) v[b] = load(value + b * kLanes);
+    for (int64_t g = 0; g < G; ++g) {
+      const float weight = w[g * n + j];
+      for (int64_t b = 0; b < B; ++b) sum[g][b] += weight * v[b];
+    }
   }
-  for (int64_t b = 0; b < B; ++b) {
-    const Lanes mean = sum[b] * inverse_total;
-    std::memcpy(out + d + b * kLanes, &mean, sizeof mean);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t b = 0; b < B; ++b) {
+      const Lanes mean = sum[g][b] * inverse_total[g];
+      std::memcpy(out + g * D + d + b * kLanes, &mean, sizeof mean);
+    }
   }
 }
 
-// One row's attention for the G query heads of one key-value head (q: G heads of D, out likewise):
-// softmax(q . k_s / sqrt(D)) over the row's slots s, times v_s, each head's sums in slot order. The G heads read each
-// key once. weights: G * n floats of room.
+// The lane sums of v[0..kLanes) (lane s of the result: lane_sum(v[s])), each the same additions of the same pairs as
+// lane_sum's tree, so the same bits: four levels of two-register shuffles serve all kLanes sums at once.
+inline Lanes lane_sums(const Lanes* v) {
+  Lanes halves[8], quarters[4], eighths[2];
+  for (int p = 0; p < 8; ++p) {  // lanes l and l + 8 of v[2p] (into lanes 0-7) and of v[2p + 1] (8-15)
+    halves[p] = __builtin_shufflevector(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                __builtin_shufflevector(v[2 * p], v[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                        30, 31);
+  }
+  for (int p = 0; p < 4; ++p) {  // then l and l + 4 of each, four vectors' a register
+    quarters[p] = __builtin_shufflevector(halves[2 * p], halves[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19,
+                                          24, 25, 26, 27) +
+                  __builtin_shufflevector(halves[2 * p], halves[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23,
+                                          28, 29, 30, 31);
+  }
+  for (int p = 0; p < 2; ++p) {  // then l and l + 2, eight vectors' a register
+    eighths[p] = __builtin_shufflevector(quarters[2 * p], quarters[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                         21, 24, 25, 28, 29) +
+                 __builtin_shufflevector(quarters[2 * p], quarters[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                         23, 26, 27, 30, 31);
+  }
+  return __builtin_shufflevector(eighths[0], eighths[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(eighths[0], eighths[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// The largest of a[0..n) (exact in any order; kLanes partial maxima so that the compiler vectorises it).
+inline float largest(const float* __restrict a, int64_t n) {
+  float acc[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) acc[l] = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) acc[l] = std::max(acc[l], a[i + l]);
+  }
+  for (int64_t l = 0; i + l < n; ++l) acc[l] = std::max(acc[l], a[i + l]);
+  float most = acc[0];
+  for (int64_t l = 1; l < kLanes; ++l) most = std::max(most, acc[l]);
+  return most;
+}
+
+// One row's attention for the G query heads of one key-value head (q: G heads of D floats, out likewise):
+// softmax(q . k_s / sqrt(D)) over the row's n slots s, times v_s. The G heads read each key and value once.
+// weights: G * n floats of room (head g's at g * n).
+// Every sum has an order the code fixes, the same whatever n and the other rows: a score is dot()'s (kLanes partial
+// sums over the head width, then lane_sum's tree, here kLanes slots' trees at once by lane_sums); a head's total
+// and its weighted sum of values add the slots' terms in slot order.
+template <int64_t G>
+void attend_heads(const float* q, const float* keys, const float* values, int64_t key_stride, int64_t value_stride,
+                  const int32_t* slots, int64_t n, int64_t D, float* weights, float* out) {
+  const float scale = kLog2E / std::sqrt(static_cast<float>(D));
+  Lanes partial[G][kLanes];
+  for (int64_t first = 0; first < n; first += kLanes) {  // scores, kLanes slots at a time
+    const int64_t m = std::min(kLanes, n - first);
+    for (int64_t s = 0; s < kLanes; ++s) {
+      for (int64_t g = 0; g < G; ++g) partial[g][s] = Lanes{};
+      if (s >= m) continue;  // past the last slot: lanes of their own, never read
+      const float* key = keys + slots[first + s] * key_stride;
+      int64_t i = 0;
+      for (; i + kLanes <= D; i += kLanes) {
+        const Lanes k = load(key + i);
+        for (int64_t g = 0; g < G; ++g) partial[g][s] += load(q + g * D + i) * k;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t l = 0; i + l < D; ++l) partial[g][s][l] += q[g * D + i + l] * key[i + l];
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const Lanes scores = lane_sums(partial[g]) * scale;
+      std::memcpy(weights + g * n + first, &scores, m * sizeof(float));
+    }
+  }
+  float inverse_total[G];
+  {
+    float total[G];
+    for (int64_t g = 0; g < G; ++g) {
+      float* w = weights + g * n;
+      const float most = largest(w, n);
+      for (int64_t j = 0; j < n; ++j) w[j] = exp2_approx(w[j] - most);
+      total[g] = 0.0f;
+    }
+    for (int64_t j = 0; j < n; ++j) {  // the G heads' totals side by side, each in slot order
+      for (int64_t g = 0; g < G; ++g) total[g] += weights[g * n + j];
+    }
+    for (int64_t g = 0; g < G; ++g) inverse_total[g] = 1.0f / total[g];
+  }
+  int64_t d = 0;
+  for (; d + 4 * kLanes <= D; d += 4 * kLanes) weighted_columns<G, 4>(weights, values, slots, n, value_stride, d, D,
+                                                                       inverse_total, out);
+  for (; d + kLanes <= D; d += kLanes) weighted_columns<G, 1>(weights, values, slots, n, value_stride, d, D,
+                                                              inverse_total, out);
+  for (; d < D; ++d) {  // a head width that is not a multiple of kLanes: its last columns one at a time
+    for (int64_t g = 0; g < G; ++g) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) sum += weights[g * n + j] * values[slots[j] * value_stride + d];
+      out[g * D + d] = sum * inverse_total[g];
+    }
+  }
+}
+
+// One row's attention (attend_heads) for the G query heads of one key-value head, the groups of the models served
+// compiled as such; any other group one head at a time.
 void attend(const float* q, const CallCache& cache, int64_t kv_head, const int32_t* slots, int64_t n, int64_t G,
             int64_t D, float* weights, float* out) {
   const float* keys = cache.keys + kv_head * cache.key_head_stride;
   const float* values = cache.values + kv_head * cache.value_head_stride;
-  const float scale = kLog2E / std::sqrt(static_cast<float>(D));
-  for (int64_t j = 0; j < n; ++j) {
-    const float* key = keys + slots[j] * cache.key_slot_stride;
-    switch (G) {  // the groups of the models served; any other size one head at a time
-      case 1: group_scores<1>(q, key, D, scale, n, weights + j); break;
-      case 2: group_scores<2>(q, key, D, scale, n, weights + j); break;
-      case 3: group_scores<3>(q, key, D, scale, n, weights + j); break;
-      case 4: group_scores<4>(q, key, D, scale, n, weights + j); break;
-      default:
-        for (int64_t g = 0; g < G; ++g) group_scores<1>(q + g * D, key, D, scale, n, weights + g * n + j);
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    float* w = weights + g * n;
-    float largest = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < n; ++j) largest = std::max(largest, w[j]);
-    for (int64_t j = 0; j < n; ++j) w[j] = exp2_approx(w[j] - largest);
-    float total = 0.0f;
-    for (int64_t j = 0; j < n; ++j) total += w[j];
-    const float inverse_total = 1.0f / total;
-    const int64_t stride = cache.value_slot_stride;
-    float* head = out + g * D;
-    int64_t d = 0;
-    for (; d + 4 * kLanes <= D; d += 4 * kLanes) {
-      weighted_columns<4>(w, values, slots, n, stride, d, inverse_total, head);
-    }
-    for (; d + kLanes <= D; d += kLanes) weighted_columns<1>(w, values, slots, n, stride, d, inverse_total, head);
-    for (; d < D; ++d) {  // a head width that is not a multiple of kLanes: its last columns one at a time
-      float sum = 0.0f;
-      for (int64_t j = 0; j < n; ++j) sum += w[j] * values[slots[j] * stride + d];
-      head[d] = sum * inverse_total;
-    }
+  const int64_t ks = cache.key_slot_stride, vs = cache.value_slot_stride;
+  switch (G) {
+    case 1: return attend_heads<1>(q, keys, values, ks, vs, slots, n, D, weights, out);
+    case 2: return attend_heads<2>(q, keys, values, ks, vs, slots, n, D, weights, out);
+    case 3: return attend_heads<3>(q, keys, values, ks, vs, slots, n, D, weights, out);
+    case 4: return attend_heads<4>(q, keys, values, ks, vs, slots, n, D, weights, out);
+    default:
+      for (int64_t g = 0; g < G; ++g) {
+        attend_heads<1>(q + g * D, keys, values, ks, vs, slots, n, D, weights, out + g * D);
+      }
   }
 }
 

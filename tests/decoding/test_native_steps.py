@@ -17,29 +17,35 @@ from minilade.quant import quantize_embedding, quantize_linears
 from tests.helpers import FLAT_COSTS, checked_runs, step_eagerly_and_by
 
 
-def w7a8_model(head_dim: int = 16, sliding_window: int = 0, kind: str = "w7a8") -> Transformer:
-    """A tiny model made exact (device.make_exact), its linear layers quantized as `kind`, its steps eager."""
+def w7a8_model(head_dim: int = 16, sliding_window: int = 0, kind: str = "w7a8", heads: tuple[int, int] = (6, 2)
+               ) -> Transformer:
+    """A tiny model made exact (device.make_exact), its linear layers quantized as `kind`, its steps eager; heads:
+    its query and key-value heads."""
     config = ModelConfig.preset("tiny-gqa").replace(vocab_size=32, dim=64, head_dim=head_dim, intermediate_size=128,
-                                                    sliding_window=sliding_window)
+                                                    sliding_window=sliding_window, n_heads=heads[0],
+                                                    n_kv_heads=heads[1])
     model = Transformer(config).init_random(seed=3, std=0.3).eval()
     quantize_embedding(quantize_linears(model, kind, 32))
     assert make_exact(model).exact
     return model
 
 
-def native_model(head_dim: int = 16, sliding_window: int = 0) -> Transformer:
-    model = w7a8_model(head_dim, sliding_window)
+def native_model(head_dim: int = 16, sliding_window: int = 0, heads: tuple[int, int] = (6, 2)) -> Transformer:
+    model = w7a8_model(head_dim, sliding_window, heads=heads)
     assert native_missing(model) is None
     model.step_runner = NativeSteps()
     return model
 
 
-@pytest.mark.parametrize("head_dim, sliding_window", [(16, 0), (8, 0), (16, 6)])
-def test_native_rows_are_the_same_at_every_row_count(head_dim: int, sliding_window: int) -> None:
+@pytest.mark.parametrize("head_dim, sliding_window, heads", [(16, 0, (6, 2)), (8, 0, (6, 2)), (16, 6, (6, 2)),
+                                                             (16, 0, (10, 2))])
+def test_native_rows_are_the_same_at_every_row_count(head_dim: int, sliding_window: int,
+                                                     heads: tuple[int, int]) -> None:
     """A token's logits through native steps are bitwise the same in a one-row step, a causal multi-row step and a
     lookahead step's interleaved rows (the load-time check), whatever the head width (a multiple of the operator's
-    16 lanes or not) and with a sliding window that cuts the rows' keys."""
-    assert check_invariance(native_model(head_dim, sliding_window), contexts=(5, 70))
+    16 lanes or not), with a sliding window that cuts the rows' keys, and with a group of query heads the
+    operator's attention takes one head at a time."""
+    assert check_invariance(native_model(head_dim, sliding_window, heads), contexts=(5, 70))
 
 
 def test_greedy_lookahead_and_auto_equal_plain_decoding_through_native_steps() -> None:
@@ -48,10 +54,12 @@ def test_greedy_lookahead_and_auto_equal_plain_decoding_through_native_steps() -
     assert any(run.stats.compression > 1 for _, run in runs)  # drafts were accepted: fewer steps than tokens
 
 
-def test_native_steps_compute_the_models_step() -> None:
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (4, 2), (8, 2), (10, 2)])
+def test_native_steps_compute_the_models_step(heads: tuple[int, int]) -> None:
     """The native step is the eager step's function: the same logits up to rounding, a sliding window included, and
-    the same keys written to the cache."""
-    model = native_model(sliding_window=6)
+    the same keys written to the cache; for every group of query heads a key-value head serves (the operator's
+    attention is compiled for groups of 1 to 4 and takes any other one head at a time)."""
+    model = native_model(sliding_window=6, heads=heads)
     logits, keys = step_eagerly_and_by(model, model.step_runner)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(keys[0], keys[1], rtol=1e-5, atol=1e-5)
