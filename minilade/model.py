@@ -73,6 +73,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+def check_mask(mask: torch.Tensor | None, T: int) -> None:
+    """A one-line ValueError unless mask is None or (T, T), the shape a step of T tokens takes."""
+    if mask is not None and mask.shape != (T, T):
+        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({T}, {T}) for {T} tokens")
+
+
 def step_visibility(mask: torch.Tensor | None, past: int, T: int, device: torch.device | str) -> torch.Tensor:
     """(T, past + T) bool: every row sees the committed cache, then the step rows its mask (T, T) allows
     (None: causal)."""
@@ -285,8 +291,7 @@ class Transformer(nn.Module):
         input_pos: (T,) or (B, T) the rows' rotary positions (the same for every sequence of the batch), needed
         with a sliding window: a key more than `sliding_window` positions older than a row is hidden from it.
         Committed cache slot i holds position i."""
-        if mask is not None and mask.shape != (T, T):
-            raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({T}, {T}) for {T} tokens")
+        check_mask(mask, T)
         window = self._window(past, T, input_pos)
         if not past and window is None:
             return mask, None

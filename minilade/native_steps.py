@@ -163,6 +163,8 @@ def visible_slots(model: Transformer, call: NativeCall) -> tuple[torch.Tensor, t
     (T,): the committed rows and the step rows its mask allows, cut by any sliding window
     (Transformer.step_masks)."""
     T = call.tokens.shape[0]
+    if T == 1 and call.mask is None and not model.config.sliding_window:  # a plain step: every slot to its own
+        return torch.arange(call.start + 1, dtype=torch.int32), torch.tensor([call.start + 1])
     visible, _ = model.step_masks(call.mask, call.start, T, call.positions)  # (T, past + T)
     if visible is None:  # a causal step over an empty cache
         visible = torch.ones(T, T, dtype=torch.bool).tril_()

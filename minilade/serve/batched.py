@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from ..kv_cache import KVCache
-from ..model import Attention, Transformer
+from ..model import Attention, Transformer, check_mask
 from .stacked import Stack, attend_stacked, stacks
 
 
@@ -60,11 +60,12 @@ def runs_compiled(model: Transformer, call: ForwardCall) -> bool:
 
 @dataclass
 class PreparedCall:
-    """What a call needs inside the pass: its rotary rows (1, T, 1, D), its kernel step, its logits rows (R,)."""
+    """What a call needs inside the pass: its rotary rows (1, T, 1, D), its kernel step (both None for a call its
+    step runner runs, which makes its own), its logits rows (R,)."""
 
     call: ForwardCall
-    cos: torch.Tensor
-    sin: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
     step: Any
     rows: torch.Tensor
 
@@ -82,14 +83,16 @@ def prepare_call(model: Transformer, call: ForwardCall) -> PreparedCall:
         raise ValueError(f"a shared forward pass takes one sequence per call, got tokens of shape "
                          f"{tuple(call.tokens.shape)}")
     call.cache.check_room(T)
-    input_pos = call.input_pos.reshape(1, T)
     model.cover_positions(call.cache.capacity)
+    rows = (call.logits_rows if call.logits_rows is not None else torch.arange(T, device=model.device)).to(model.device)
+    if runs_compiled(model, call):  # its step makes its own rotary rows and masks
+        check_mask(call.mask, T)
+        return PreparedCall(call, None, None, None, rows)
+    input_pos = call.input_pos.reshape(1, T)
     cos, sin = model.rotary(input_pos)  # (1, T, 1, D)
     past = call.cache.length
     visible, reach = model.step_masks(call.mask, past, T, input_pos)
-    step = None if runs_compiled(model, call) else model.attention_kernel.prepare(visible, reach, past, model.dtype)
-    rows = call.logits_rows if call.logits_rows is not None else torch.arange(T, device=model.device)
-    return PreparedCall(call, cos, sin, step, rows.to(model.device))
+    return PreparedCall(call, cos, sin, model.attention_kernel.prepare(visible, reach, past, model.dtype), rows)
 
 
 def batched_forward(model: Transformer, calls: list[PreparedCall],
