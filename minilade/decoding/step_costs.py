@@ -32,11 +32,12 @@ def measure_step_costs(model: Transformer, sizes: Iterable[int], *, context: int
     values). A drafted step's host work (some tenths of a millisecond in Python) is a cost the plan must weigh as
     much as the forward's.
 
-    Sizes are measured round-robin, after one warm-up round, widest first; each sample is a step after PLAIN_BEFORE
-    plain ones, as decoding's steps mostly follow plain steps: a pass after a much wider one runs slower for a few
-    passes (a one-row pass right after a 30-row one by some 20%, the third after it by 5%), which a round of
-    ascending sizes would charge to the narrow ones, making a few drafted rows look nearly free against a plain
-    step. The context shrinks so that the steps' positions fit the model's."""
+    Sizes are measured round-robin, after one warm-up round, widest first, one sample a size a round (PLAIN_SAMPLES
+    of the plain step); each sample is a step after PLAIN_BEFORE plain ones, as decoding's steps mostly follow
+    plain steps: a pass after a much wider one runs slower for a few passes (a one-row pass right after a 30-row
+    one by some 20%, the third after it by 5%), which a round of ascending sizes would charge to the narrow ones,
+    making a few drafted rows look nearly free against a plain step. The context shrinks so that the steps'
+    positions fit the model's."""
     return compare_step_costs({None: model}, sizes, context=context, repeats=repeats)[None]
 
 
@@ -52,13 +53,17 @@ def compare_step_costs(models: dict, sizes: Iterable[int], *, context: int = 256
             for T in sizes:
                 for _ in range(PLAIN_BEFORE):
                     timer.time(1)
-                seconds = timer.time(T)
-                if rep:  # the first round is warm-up
-                    samples[name][T].append(seconds)
+                for _ in range(PLAIN_SAMPLES if T == 1 else 1):
+                    seconds = timer.time(T)
+                    if rep:  # the first round is warm-up
+                        samples[name][T].append(seconds)
     return {name: {T: sorted(s)[len(s) // 2] for T, s in by_size.items()} for name, by_size in samples.items()}
 
 
 PLAIN_BEFORE = 2  # plain steps before each timed one
+# Samples of a plain step a round: every plan is weighed against it, and a few of its samples on a noisy machine
+# made a table whose plain step cost more than its 2-row one (a drafted row then looks free).
+PLAIN_SAMPLES = 5
 DRAFT_CHAIN = 4  # the longest draft path of a timed step (the paths of auto's steps are mostly this short or shorter)
 
 

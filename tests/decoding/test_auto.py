@@ -116,28 +116,32 @@ def test_measured_costs_are_kept_in_the_cost_file(monkeypatch, tmp_path) -> None
 
 def test_measure_step_costs_times_steps_as_decoding_runs_them(monkeypatch) -> None:
     """After the context prefill, every size is run once to warm up and then `repeats` times, round-robin, widest
-    first, each time after PLAIN_BEFORE plain steps: one row as a plain step (no mask), more as x and a tree of
-    drafts (masked), at the positions that follow the context, the cache rolled back after each step; the median
-    of a size's timed steps is reported."""
+    first, each time after PLAIN_BEFORE plain steps (the plain step PLAIN_SAMPLES times a round): one row as a plain
+    step (no mask), more as x and a tree of drafts (masked), at the positions that follow the context, the cache
+    rolled back after each step; the median of a size's timed steps is reported."""
     model = tiny_model(vocab=12, seed=1)
+    before, plain_samples = step_costs.PLAIN_BEFORE, step_costs.PLAIN_SAMPLES
+    schedule = [(T if timed else 1, timed) for _ in range(4) for T in (8, 3, 1)
+                for timed in [False] * before + [True] * (plain_samples if T == 1 else 1)]  # (rows, timed)
+    # Timed steps take their size's durations below in turn, the warm-up round's first; the others 100.
+    durations = {8: iter([5.0, 2.0, 8.0, 11.0]), 3: iter([9.0, 7.0, 4.0, 10.0]),
+                 1: iter([3.0] * plain_samples + [1.0, 6.0, 12.0, 2.0, 13.0] + [6.0] * (2 * plain_samples))}
     fed, now = [], [0.0]
     forward = model.forward
-    timed = iter([5.0, 9.0, 3.0, 2.0, 7.0, 1.0, 8.0, 4.0, 6.0, 11.0, 10.0, 12.0])
-    plain_before = step_costs.PLAIN_BEFORE
 
     def recording(tokens, input_pos, cache, mask=None, logits_rows=None):
         fed.append((tokens.shape[1], int(input_pos.reshape(-1)[0]), cache.length, mask is not None))
-        if len(fed) > 1:  # a fake clock that each step's forward advances: 100 for the plain steps before it
-            now[0] += 100.0 if (len(fed) - 2) % (plain_before + 1) < plain_before else next(timed)
+        if len(fed) > 1:  # a fake clock that each step's forward advances
+            T, timed = schedule[len(fed) - 2]
+            now[0] += next(durations[T]) if timed else 100.0
         return forward(tokens, input_pos, cache, mask, logits_rows)
 
     monkeypatch.setattr(model, "forward", recording)
     monkeypatch.setattr(step_costs.time, "perf_counter", lambda: now[0])
     seconds = step_costs.measure_step_costs(model, [8, 1, 3], context=16, repeats=3)
     assert fed[0] == (16, 0, 0, False)  # the context
-    plain = [(1, 16, 16, False)] * plain_before
-    assert fed[1:] == [row for _ in range(4) for T in (8, 3, 1) for row in plain + [(T, 16, 16, T > 1)]]
-    # Timed steps took 5, 9, 3 (warm-up), then 2, 7, 1 | 8, 4, 6 | 11, 10, 12 for sizes 8, 3, 1.
+    assert fed[1:] == [(T, 16, 16, T > 1) for T, _ in schedule]
+    # Timed after the warm-up round: 8: 2, 8, 11; 3: 7, 4, 10; 1: 1, 6, 12, 2, 13 and ten 6s.
     assert seconds == {8: 8.0, 3: 7.0, 1: 6.0}
 
 
