@@ -34,7 +34,7 @@ constexpr double kCodesScale = 1.0;   // w7a8 activation codes are the integers 
 constexpr int64_t kZeroPoint = 128;   // integer_linear.ZERO_POINT
 constexpr float kActivationLevels = 127.0f;
 constexpr float kLog2E = 1.4426950408889634f;
-constexpr int64_t kAttentionGrain = 1 << 14;  // keys x heads below which a pass's attention stays on one thread
+constexpr int64_t kAttentionGrain = 1 << 10;  // keys x heads below which a pass's attention stays on one thread
 
 // kLanes floats as one value (GCC's vector extension: one AVX-512 register, two AVX2 ones), and loads of one from
 // memory of any alignment.
