@@ -182,7 +182,8 @@ void weighted_columns(const float* w, const float* values, const int32_t* slots,
 inline Lanes lane_sums(const Lanes* v) {
   Lanes halves[8], quarters[4], eighths[2];
   for (int p = 0; p < 8; ++p) {  // lanes l and l + 8 of v[2p] (into lanes 0-7) and of v[2p + 1] (8-15)
-    halves[p] = __builtin_shufflevector(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+    halves[p] = __builtin_shufflevector(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
+                                        23) +
                 __builtin_shufflevector(v[2 * p], v[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
                                         30, 31);
   }
