@@ -78,6 +78,7 @@ from .timing import (
     exact_matches,
     group_by_prompt,
     measure,
+    paired_ratios,
     paired_speedup,
     warm_up,
 )
@@ -249,6 +250,8 @@ def summary_row(key: tuple[str, float, str], rows: dict[int, PromptResult], grou
         compression=new / sum(passes) if None not in passes else None,
         tokens_per_s=new / sum(r.wall_s for r in rows.values()),
         speedup_vs_ar=paired_speedup(rows, ar), speedup_vs_transformers=paired_speedup(rows, hf),
+        lowest_vs_ar=min(paired_ratios(rows, ar), default=None),
+        prompts_below_x098_vs_ar=sum(r < 0.98 for r in paired_ratios(rows, ar)) if ar else None,
         exact_match=exact_matches(rows, ar) if temperature == 0 else None,
         reps_agree=all(r.reps_agree for r in rows.values()),
         tokens_fed_per_step=fed, flops_per_step=flops_per_step(model_config, fed, projected) if fed else None,
@@ -277,15 +280,16 @@ def temperature_table(temperature: float, rows: list[dict]) -> list[str]:
                    "temperature.\n")
     out.append("| dataset | configuration | tokens fed/step | new tokens | forward passes | compression "
                "| ref. compression | tokens/s | ref. tokens/s | speedup vs AR | speedup vs transformers "
-               "| exact match |")
-    out.append("|" + " --- |" * 12)
+               "| exact match | lowest prompt vs AR | prompts below x0.98 vs AR |")
+    out.append("|" + " --- |" * 14)
     for s in rows:
         exact = "n/a" if sampled else f"{s['exact_match']}/{s['n_prompts']}"
         out.append(f"| {s['dataset']} | {s['config']} | {fmt(s['tokens_fed_per_step'])} | {s['new_tokens']} "
                    f"| {fmt(s['forward_passes'])} | {fmt(s['compression'], '.2f')} "
                    f"| {fmt(s['reference_compression'], '.2f')} | {s['tokens_per_s']:.1f} "
                    f"| {fmt(s['reference_tokens_per_s'], '.0f')} | {fmt(s['speedup_vs_ar'], '.2f')} "
-                   f"| {fmt(s['speedup_vs_transformers'], '.2f')} | {exact} |")
+                   f"| {fmt(s['speedup_vs_transformers'], '.2f')} | {exact} | {fmt(s['lowest_vs_ar'], '.2f')} "
+                   f"| {fmt(s['prompts_below_x098_vs_ar'])} |")
     return out
 
 

@@ -103,12 +103,15 @@ def group_by_prompt(records: list[dict]) -> dict[tuple, dict[int, PromptResult]]
             for key, by_prompt in runs.items()}
 
 
-def paired_speedup(rows: dict[Any, PromptResult], base: dict[Any, PromptResult] | None) -> float | None:
-    """Median over prompts of tokens/s(row) / tokens/s(base), which is the time ratio when both emit the same
+def paired_ratios(rows: dict[Any, PromptResult], base: dict[Any, PromptResult] | None) -> list[float]:
+    """tokens/s(row) / tokens/s(base) for every prompt both ran, which is the time ratio when both emit the same
     tokens (greedy) and stays fair when they do not (sampling, or a library that stops elsewhere)."""
-    if not base:
-        return None
-    ratios = [rows[p].tokens_per_s / base[p].tokens_per_s for p in rows if p in base]
+    return [rows[p].tokens_per_s / base[p].tokens_per_s for p in rows if p in base] if base else []
+
+
+def paired_speedup(rows: dict[Any, PromptResult], base: dict[Any, PromptResult] | None) -> float | None:
+    """Median over prompts of paired_ratios (None without a base)."""
+    ratios = paired_ratios(rows, base)
     return statistics.median(ratios) if ratios else None
 
 

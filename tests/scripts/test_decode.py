@@ -134,6 +134,8 @@ def test_summary_arithmetic_on_records_built_by_hand() -> None:
     s = rows[lookahead.label]
     assert (s["new_tokens"], s["forward_passes"], s["compression"]) == (6, 3, 2.0)
     assert s["exact_match"] == 1 and s["speedup_vs_ar"] == pytest.approx((4 + 0.5) / 2)  # the median of two
+    assert s["lowest_vs_ar"] == pytest.approx(0.5) and s["prompts_below_x098_vs_ar"] == 1
+    assert rows[AR]["lowest_vs_ar"] == 1.0 and rows[AR]["prompts_below_x098_vs_ar"] == 0
     assert s["speedup_vs_transformers"] == pytest.approx((2 + 0.25) / 2)
     assert s["tokens_per_s"] == pytest.approx(6 / 5.0)
     assert s["tokens_fed_per_step"] == 56 and s["reference_compression"] == 2.02

@@ -10,6 +10,7 @@ from scripts.bench.timing import (
     exact_matches,
     group_by_prompt,
     measure,
+    paired_ratios,
     paired_speedup,
     sample_seed,
     warm_up,
@@ -44,6 +45,7 @@ def test_paired_speedup_is_the_median_of_per_prompt_ratios() -> None:
     # tokens/s, not time: a row that stops early is not counted as faster for it
     assert paired_speedup({0: result(5, 1.0)}, {0: result(10, 2.0)}) == pytest.approx(1.0)
     assert paired_speedup(rows, None) is None and paired_speedup(rows, {}) is None
+    assert paired_ratios(rows, base) == pytest.approx([2.0, 0.5, 2.0]) and paired_ratios(rows, None) == []
 
 
 def test_exact_matches_count_prompts_with_identical_tokens() -> None:
