@@ -19,6 +19,7 @@ from ..masks import CandidateTree, LookaheadLayout, StepShape
 from ..memo import processor, read_table, write_entry
 from ..model import Transformer
 from ..sampling import Sampler, SamplingParams
+from .autoregressive import AutoregressiveDecoder
 from .base import Agree, DecodeContext, single_process
 from .lookahead import packed_step
 
@@ -77,6 +78,7 @@ class _StepTimer:
         with torch.inference_mode(False):  # a cache as generation makes one, even when measured inside a generation
             cache = model.new_cache(self.context + max_rows)
         self.ctx = DecodeContext(model, cache, Sampler(SamplingParams(), model.device), [], model.config.max_seq_len)
+        self.plain = AutoregressiveDecoder(self.ctx)  # its steps are Decoder.single_step, as every plain step
         self.verify_shape = StepShape(LookaheadLayout(window=1, ngram=2, guesses=0), with_window=False,
                                       device=model.device)
         if self.context > 0:
@@ -97,21 +99,19 @@ class _StepTimer:
         paths = [tokens[i:i + DRAFT_CHAIN] for i in range(1, T, DRAFT_CHAIN)]
         for path, first in zip(paths, torch.randperm(self.model.config.vocab_size, generator=self.gen).tolist()):
             path[0] = first
-        x = torch.tensor(tokens[:1])
+        self.ctx.tokens[:] = tokens[:1]  # x, the step's input
         with torch.inference_mode():
             start = time.perf_counter()  # from a fresh frame-stack chunk, as the decoding loop runs its steps
-            on_fresh_frame_chunk(self._step, x, paths)
+            on_fresh_frame_chunk(self._step, paths)
             seconds = time.perf_counter() - start
         self.ctx.cache.truncate(self.context)
         return seconds
 
-    def _step(self, x: torch.Tensor, paths: list[list[int]]) -> None:
-        ctx, device = self.ctx, self.model.device
+    def _step(self, paths: list[list[int]]) -> None:
         if paths:
-            packed_step(ctx, self.verify_shape, x, CandidateTree.of(paths))
-        else:  # a plain step, as Decoder.single_step runs it
-            logits = ctx.model(x[None].to(device), torch.tensor([self.context], device=device), ctx.cache)
-            int(ctx.sampler.pick(logits[0, -1]))
+            packed_step(self.ctx, self.verify_shape, torch.tensor(self.ctx.tokens), CandidateTree.of(paths))
+        else:
+            self.plain.single_step()
 
 
 class StepCosts:
