@@ -9,7 +9,7 @@ How attention is computed is one object the model holds and every layer calls, `
 kernel is installed by swapping that object: minilade/invariance.py's batch-invariant one, for exact lookahead.
 Likewise `step_runner`, when set, runs every decoding step (a cache already holding rows) in place of the layer
 loop, and the prefill too where its `runs_prefill` says so: minilade/compiled.py's compiled graphs (steps only),
-minilade/native_steps.py's native layers (every forward).
+minilade/native_steps.py's native layers (every forward, over caches of the `cache_dtype` they name).
 """
 
 from __future__ import annotations
@@ -224,15 +224,27 @@ class Transformer(nn.Module):
         self.rope_cos, self.rope_sin = rope_tables(self.config, rope_rows(self.config, max(have, positions)),
                                                    self.dtype, self.device)
 
+    @property
+    def cache_type(self) -> type[KVCache]:
+        """The KV cache its forwards read: the step runner's where it names one (native steps, which run every
+        forward), else the attention kernel's."""
+        return getattr(self.step_runner, "cache_type", None) or self.attention_kernel.cache_type
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype its KV caches keep keys and values in: the step runner's where it names one (native steps:
+        float16), else the activations'."""
+        return getattr(self.step_runner, "cache_dtype", None) or self.dtype
+
     def new_cache(self, capacity: int | None = None, batch_size: int = 1, cache_type: type[KVCache] | None = None
                   ) -> KVCache:
-        """A KV cache of `capacity` slots (default: the whole context), of the kind the attention kernel reads
-        (cache_type: another kind, for a step that reads the cache its own way); the rotary tables grow to
-        match."""
+        """A KV cache of `capacity` slots (default: the whole context), of the kind its forwards read
+        (cache_type: another kind, for a step that reads the cache its own way), in cache_dtype; the rotary tables
+        grow to match."""
         capacity = capacity or self.config.max_seq_len
         self.cover_positions(capacity)
-        cache_type = cache_type or self.attention_kernel.cache_type
-        return cache_type(self.config, capacity, batch_size=batch_size, dtype=self.dtype, device=self.device)
+        cache_type = cache_type or self.cache_type
+        return cache_type(self.config, capacity, batch_size=batch_size, dtype=self.cache_dtype, device=self.device)
 
     def cover_positions(self, positions: int) -> None:
         """Grow the rotary tables (when needed) to cover positions [0, positions), up to the model's context."""

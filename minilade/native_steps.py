@@ -7,7 +7,8 @@ much again as the weight matmuls. `NativeSteps` runs the layers of a forward as 
 to 8-bit codes, rotary, the cache writes, attention and SwiGLU are loops over each row's own numbers, and the weight
 matmuls are fbgemm's w7a8 kernel over all rows, the same call W7A8Linear makes. The operator takes the rows of
 several calls, each over its own cache (`layers_pass`): the server runs every call of a pass, its requests' steps and
-prompt parts, as one pass through it (serve/native_pass.py).
+prompt parts, as one pass through it (serve/native_pass.py). Its caches keep keys and values in float16
+(`NativeSteps.cache_dtype`): a pass over several requests' caches reads about as many bytes of them as of weights.
 
 Exactness, by construction: a row's operations are the same code whatever the other rows are, with sums in an order
 the code fixes, not the row count; its attention visits the slots it sees in ascending order, which is the order
@@ -99,6 +100,9 @@ class NativeSteps:
     # The prefill too (Transformer.forward): a prompt's rows then get the bits a decoding step would give them, so
     # that rows kept from an answer serve a later prompt exactly, and a prompt read in parts gets its whole bits.
     runs_prefill = True
+    # The caches it reads: plain ones, keys and values in 16 bits (the operator rounds each once, as it writes it,
+    # whichever step writes it): the part of a pass's reads that grows with the context, halved.
+    cache_type, cache_dtype = KVCache, torch.float16
 
     def __call__(self, model: Transformer, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
                  mask: torch.Tensor | None, logits_rows: torch.Tensor | None) -> torch.Tensor:

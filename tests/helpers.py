@@ -14,7 +14,7 @@ import torch
 from minilade.config import ModelConfig
 from minilade.decoding import Autoregressive, GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens
 from minilade.decoding.step_costs import StepCosts
-from minilade.invariance import apply_exact_attention
+from minilade.invariance import PaddedKVCache, apply_exact_attention
 from minilade.masks import interleaved_step
 from minilade.model import Transformer
 from minilade.penalties import TokenHistory
@@ -53,16 +53,27 @@ def checked_runs(model, seed: int, strategies: list, trials: int = 3, max_new_to
     return runs
 
 
+class HalfRoundedCache(PaddedKVCache):
+    """A PaddedKVCache whose keys and values are rounded to float16 as they are written (and kept in float32): what
+    an eager step would read from a runner's float16 cache."""
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().write(layer, k.half().float(), v.half().float())
+
+
 def step_eagerly_and_by(model: Transformer, runner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Logits of one lookahead-shaped step of 8 rows after a 9-token prompt, and the keys written to the cache, with
     the model's steps eager and then run by `runner` (a step_runner): ([eager, runner's] logits, [eager, runner's]
-    keys of the 17 rows), for tests that a runner computes the model's step."""
-    prompt, (positions, mask) = torch.randint(model.config.vocab_size, (1, 9)), interleaved_step(9, 8, lanes=4)
+    keys of the 17 rows), for tests that a runner computes the model's step. Where the runner keeps its caches in
+    float16, the eager step's keys and values are rounded as they are written too."""
+    prompt = torch.randint(model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    positions, mask = interleaved_step(9, 8, lanes=4)
     logits, keys = [], []
+    eager_cache = HalfRoundedCache if getattr(runner, "cache_dtype", None) == torch.float16 else None
     with torch.inference_mode():
         for step_runner in (None, runner):
             model.step_runner = step_runner
-            cache = model.new_cache(40)
+            cache = model.new_cache(40, cache_type=eager_cache if step_runner is None else None)
             model(prompt, torch.arange(9), cache)
             cache.commit(9)
             logits.append(model(torch.arange(8)[None] % 16, positions, cache, mask))

@@ -10,12 +10,16 @@
 // row's result does not depend on how many rows the pass has or which. The weight matmuls are fbgemm's w7a8 kernel
 // over all rows at once, which gives each row the same bits at every row count (the load-time check verifies it).
 // Attention over a row's keys visits them in slot order, which is their positions' order: a token's keys and
-// values come out the same whether the token was a row of a wide step or a step of its own.
+// values come out the same whether the token was a row of a wide step or a step of its own. The caches keep keys
+// and values in float16 (a call's keys and values rounded once, as they are written): attention over many caches
+// reads as many bytes of them as of weights, and fewer bytes make it faster.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/quantized/PackedParams.h>
 #include <torch/library.h>
+
+#include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
@@ -35,6 +39,7 @@ constexpr int64_t kZeroPoint = 128;   // integer_linear.ZERO_POINT
 constexpr float kActivationLevels = 127.0f;
 constexpr float kLog2E = 1.4426950408889634f;
 constexpr int64_t kAttentionGrain = 1 << 10;  // keys x heads below which a pass's attention stays on one thread
+constexpr int64_t kPrefetchSlots = 32;        // how far ahead of its scores attention asks for a row's keys
 
 // kLanes floats as one value (GCC's vector extension: one AVX-512 register, two AVX2 ones), and loads of one from
 // memory of any alignment.
@@ -42,6 +47,39 @@ typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 typedef float UnalignedLanes __attribute__((vector_size(kLanes * sizeof(float)), aligned(alignof(float))));
 
 inline Lanes load(const float* p) { return *reinterpret_cast<const UnalignedLanes*>(p); }
+
+// Keys and values are kept in the caches as IEEE half floats (half the bytes a pass reads), each rounded to the
+// nearest once, as it is written; a read widens kLanes of them to floats (exact).
+using Half = _Float16;
+
+inline Lanes load(const Half* p) {  // the processor's conversion instructions (the compiler's widen one at a time)
+  Lanes v;
+#if defined(__AVX512F__)
+  const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  std::memcpy(&v, &wide, sizeof v);
+#elif defined(__F16C__)
+  const __m256 low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 high = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&v, &low, sizeof low);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof low, &high, sizeof high);
+#else
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
+#endif
+  return v;
+}
+
+// Ask for the cache lines of a row of D halves ahead of its reads: a row's keys and values are short runs of memory
+// (some 32 KB a head), which the processor's own prefetching does not reach in time.
+inline void prefetch_row(const Half* row, int64_t D) {
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(Half)); b += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + b);
+  }
+}
+
+// n floats rounded to halves (to the nearest, ties to even: as torch's conversion).
+inline void store_halves(const float* __restrict from, Half* __restrict to, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) to[i] = static_cast<Half>(from[i]);
+}
 
 // The sum of the lanes, halved in a fixed tree: lanes l and l + 8, then l and l + 4, and so on.
 inline float lane_sum(Lanes v) {
@@ -139,17 +177,18 @@ inline void rotate(float* __restrict x, const float* __restrict cos, const float
 // One layer of a call's cache: slot s of key-value head h at keys + h * key_head_stride + s * key_slot_stride, and
 // likewise in values (its first D columns).
 struct CallCache {
-  float* keys;
-  float* values;
+  Half* keys;
+  Half* values;
   int64_t key_head_stride, key_slot_stride, value_head_stride, value_slot_stride;
 };
 
 CallCache layer_cache(const at::Tensor& k, const at::Tensor& v, int64_t layer) {
   // k: (L, 1, Hkv, S, D), v: (L, 1, Hkv, S, Dv), Dv >= D
   TORCH_CHECK(k.size(1) == 1 && v.size(1) == 1, "native layer: one sequence a cache");
-  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "native layer: float32 caches");
+  TORCH_CHECK(k.scalar_type() == at::kHalf && v.scalar_type() == at::kHalf, "native layer: float16 caches");
   TORCH_CHECK(k.stride(4) == 1 && v.stride(4) == 1, "native layer: cache rows must be contiguous");
-  return {k.mutable_data_ptr<float>() + layer * k.stride(0), v.mutable_data_ptr<float>() + layer * v.stride(0),
+  return {reinterpret_cast<Half*>(k.mutable_data_ptr<at::Half>()) + layer * k.stride(0),
+          reinterpret_cast<Half*>(v.mutable_data_ptr<at::Half>()) + layer * v.stride(0),
           k.stride(2), k.stride(3), v.stride(2), v.stride(3)};
 }
 
@@ -157,11 +196,11 @@ CallCache layer_cache(const at::Tensor& k, const at::Tensor& v, int64_t layer) {
 // the terms added in slot order, the G x B column blocks side by side so that their sums do not wait on each other;
 // each value row read once for all G heads.
 template <int64_t G, int64_t B>
-void weighted_columns(const float* w, const float* values, const int32_t* slots, int64_t n, int64_t slot_stride,
+void weighted_columns(const float* w, const Half* values, const int32_t* slots, int64_t n, int64_t slot_stride,
                       int64_t d, int64_t D, const float* inverse_total, float* out) {
   Lanes sum[G][B] = {};
   for (int64_t j = 0; j < n; ++j) {
-    const float* value = values + slots[j] * slot_stride + d;
+    const Half* value = values + slots[j] * slot_stride + d;
     Lanes v[B];
     for (int64_t b = 0; b < B; ++b) v[b] = load(value + b * kLanes);
     for (int64_t g = 0; g < G; ++g) {
@@ -224,7 +263,7 @@ inline float largest(const float* __restrict a, int64_t n) {
 // sums over the head width, then lane_sum's tree, here kLanes slots' trees at once by lane_sums); a head's total
 // and its weighted sum of values add the slots' terms in slot order.
 template <int64_t G>
-void attend_heads(const float* q, const float* keys, const float* values, int64_t key_stride, int64_t value_stride,
+void attend_heads(const float* q, const Half* keys, const Half* values, int64_t key_stride, int64_t value_stride,
                   const int32_t* slots, int64_t n, int64_t D, float* weights, float* out) {
   const float scale = kLog2E / std::sqrt(static_cast<float>(D));
   Lanes partial[G][kLanes];
@@ -233,14 +272,16 @@ void attend_heads(const float* q, const float* keys, const float* values, int64_
     for (int64_t s = 0; s < kLanes; ++s) {
       for (int64_t g = 0; g < G; ++g) partial[g][s] = Lanes{};
       if (s >= m) continue;  // past the last slot: lanes of their own, never read
-      const float* key = keys + slots[first + s] * key_stride;
+      const Half* key = keys + slots[first + s] * key_stride;
+      prefetch_row(values + slots[first + s] * value_stride, D);  // for the weighted sums after the scores
+      if (first + s + kPrefetchSlots < n) prefetch_row(keys + slots[first + s + kPrefetchSlots] * key_stride, D);
       int64_t i = 0;
       for (; i + kLanes <= D; i += kLanes) {
         const Lanes k = load(key + i);
         for (int64_t g = 0; g < G; ++g) partial[g][s] += load(q + g * D + i) * k;
       }
       for (int64_t g = 0; g < G; ++g) {
-        for (int64_t l = 0; i + l < D; ++l) partial[g][s][l] += q[g * D + i + l] * key[i + l];
+        for (int64_t l = 0; i + l < D; ++l) partial[g][s][l] += q[g * D + i + l] * static_cast<float>(key[i + l]);
       }
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -270,7 +311,9 @@ void attend_heads(const float* q, const float* keys, const float* values, int64_
   for (; d < D; ++d) {  // a head width that is not a multiple of kLanes: its last columns one at a time
     for (int64_t g = 0; g < G; ++g) {
       float sum = 0.0f;
-      for (int64_t j = 0; j < n; ++j) sum += weights[g * n + j] * values[slots[j] * value_stride + d];
+      for (int64_t j = 0; j < n; ++j) {
+        sum += weights[g * n + j] * static_cast<float>(values[slots[j] * value_stride + d]);
+      }
       out[g * D + d] = sum * inverse_total[g];
     }
   }
@@ -280,8 +323,8 @@ void attend_heads(const float* q, const float* keys, const float* values, int64_
 // compiled as such; any other group one head at a time.
 void attend(const float* q, const CallCache& cache, int64_t kv_head, const int32_t* slots, int64_t n, int64_t G,
             int64_t D, float* weights, float* out) {
-  const float* keys = cache.keys + kv_head * cache.key_head_stride;
-  const float* values = cache.values + kv_head * cache.value_head_stride;
+  const Half* keys = cache.keys + kv_head * cache.key_head_stride;
+  const Half* values = cache.values + kv_head * cache.value_head_stride;
   const int64_t ks = cache.key_slot_stride, vs = cache.value_slot_stride;
   switch (G) {
     case 1: return attend_heads<1>(q, keys, values, ks, vs, slots, n, D, weights, out);
@@ -362,10 +405,9 @@ at::Tensor layer(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor
       const CallCache& cache = caches.back();
       for (int64_t kv = 0; kv < Hkv; ++kv) {
         const int64_t slot = call_past[c] + t;
-        std::memcpy(cache.keys + kv * cache.key_head_stride + slot * cache.key_slot_stride, q + (H + kv) * D,
-                    D * sizeof(float));
-        std::memcpy(cache.values + kv * cache.value_head_stride + slot * cache.value_slot_stride,
-                    q + (H + Hkv + kv) * D, D * sizeof(float));
+        store_halves(q + (H + kv) * D, cache.keys + kv * cache.key_head_stride + slot * cache.key_slot_stride, D);
+        store_halves(q + (H + Hkv + kv) * D, cache.values + kv * cache.value_head_stride +
+                     slot * cache.value_slot_stride, D);
       }
     }
   }

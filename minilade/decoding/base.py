@@ -141,9 +141,9 @@ class Strategy(ABC):
     def make_decoder(self, ctx: DecodeContext) -> Decoder: ...
 
     def cache_type(self, model: Transformer) -> type[KVCache]:
-        """The kind of KV cache the decoder works on: the one the model's attention kernel reads, as
-        model.new_cache makes it; a strategy that runs steps of its own names the one they read."""
-        return model.attention_kernel.cache_type
+        """The kind of KV cache the decoder works on: the one the model's forwards read, as model.new_cache
+        makes it; a strategy that runs steps of its own names the one they read."""
+        return model.cache_type
 
     def max_step_tokens(self) -> int:
         """Most tokens one step puts through the model (the KV cache keeps this much room past the budget)."""

@@ -76,13 +76,14 @@ def fitted_strategy(model: Transformer, prompt_len: int, settings: GenerationSet
 
 def cache_for(model: Transformer, prompt_len: int, settings: GenerationSettings,
               cache: KVCache | None = None) -> KVCache:
-    """A KV cache for one generation: `cache` when it is large enough and of the kind the strategy's steps read
-    (Strategy.cache_type), else a new one. It needs every position the generation may use plus room for one step's
-    speculative rows."""
+    """A KV cache for one generation: `cache` when it is large enough and of the kind and dtype the strategy's
+    steps read (Strategy.cache_type, model.cache_dtype), else a new one. It needs every position the generation may
+    use plus room for one step's speculative rows."""
     strategy = fitted_strategy(model, prompt_len, settings)
     needed = min(model.config.max_seq_len, prompt_len + settings.max_new_tokens) + strategy.max_step_tokens()
     cache_type = strategy.cache_type(model)
-    if cache is None or cache.capacity < needed or type(cache) is not cache_type:
+    if (cache is None or cache.capacity < needed or type(cache) is not cache_type
+            or cache.k.dtype != model.cache_dtype):
         cache = model.new_cache(needed, cache_type=cache_type)
     cache.truncate(0)
     return cache

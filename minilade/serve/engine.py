@@ -116,13 +116,14 @@ class ModelProxy:
         self._engine, self._slot, model = engine, slot, engine.llm.model
         self.config, self.attention_kernel, self.device, self.dtype = (model.config, model.attention_kernel,
                                                                         model.device, model.dtype)
+        self.cache_type, self.cache_dtype = model.cache_type, model.cache_dtype
 
     def new_cache(self, capacity: int | None = None, batch_size: int = 1, cache_type: type[KVCache] | None = None
                   ) -> KVCache:
         """As Transformer.new_cache; the rotary tables already cover the context (Engine.__init__)."""
-        cache_type = cache_type or self.attention_kernel.cache_type
-        cache = cache_type(self.config, capacity or self.config.max_seq_len, batch_size=batch_size, dtype=self.dtype,
-                           device=self.device)
+        cache_type = cache_type or self.cache_type
+        cache = cache_type(self.config, capacity or self.config.max_seq_len, batch_size=batch_size,
+                           dtype=self.cache_dtype, device=self.device)
         self._slot.caches.append(cache)  # for the engine to release when the generation ends
         return cache
 

@@ -54,15 +54,23 @@ def test_greedy_lookahead_and_auto_equal_plain_decoding_through_native_steps() -
     assert any(run.stats.compression > 1 for _, run in runs)  # drafts were accepted: fewer steps than tokens
 
 
+def relative_error(want: torch.Tensor, got: torch.Tensor) -> float:
+    return float((got.float() - want).norm() / want.norm())
+
+
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4), (4, 2), (8, 2), (10, 2)])
 def test_native_steps_compute_the_models_step(heads: tuple[int, int]) -> None:
-    """The native step is the eager step's function: the same logits up to rounding, a sliding window included, and
-    the same keys written to the cache; for every group of query heads a key-value head serves (the operator's
-    attention is compiled for groups of 1 to 4 and takes any other one head at a time)."""
+    """The native step is the eager step's function (the eager step's keys and values rounded to float16 as the
+    operator keeps them), a sliding window included, and writes the same keys, in float16; for every group of query
+    heads a key-value head serves (the operator's attention is compiled for groups of 1 to 4 and takes any other one
+    head at a time). Compared in norm, not element by element: the two round differently in the last bit, and where
+    that moves one of a row's 8-bit activation codes, every later number of the row moves by a code's worth (over 100
+    prompts: up to 1.5e-2 of the logits' norm, 4e-3 of the keys'); a step one position off errs by 0.7-1.0."""
     model = native_model(sliding_window=6, heads=heads)
     logits, keys = step_eagerly_and_by(model, model.step_runner)
-    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(keys[0], keys[1], rtol=1e-5, atol=1e-5)
+    assert keys[1].dtype == torch.float16
+    assert relative_error(logits[0], logits[1]) < 5e-2
+    assert relative_error(keys[0], keys[1]) < 1e-2
 
 
 def test_one_pass_gives_each_call_what_its_step_alone_gives() -> None:
