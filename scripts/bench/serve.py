@@ -198,14 +198,22 @@ def one_request(url: str, prompt: str, chat: bool, max_tokens: int) -> dict:
 
 
 def run_level(server: Server, prompts: list[str], chat: bool, clients: int, max_tokens: int) -> tuple[list, float]:
-    """`clients` threads, each streaming its share of prompts in turn; the answers in prompt order, wall seconds."""
+    """`clients` threads, each streaming the next prompt not yet sent as soon as its answer ends (a closed loop: the
+    level ends one answer after the prompts run out, whichever client's answers ran long); the answers in prompt
+    order, wall seconds."""
     answers: list[dict | None] = [None] * len(prompts)
+    unsent = iter(range(len(prompts)))
+    lock = threading.Lock()
 
-    def client(i: int) -> None:
-        for k in range(i, len(prompts), clients):
+    def client() -> None:
+        while True:
+            with lock:
+                k = next(unsent, None)
+            if k is None:
+                return
             answers[k] = one_request(server.url, prompts[k], chat, max_tokens)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    threads = [threading.Thread(target=client) for _ in range(clients)]
     start = time.perf_counter()
     for t in threads:
         t.start()
