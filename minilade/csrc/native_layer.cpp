@@ -55,8 +55,7 @@ using Half = _Float16;
 inline Lanes load(const Half* p) {  // the processor's conversion instructions (the compiler's widen one at a time)
   Lanes v;
 #if defined(__AVX512F__)
-  const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  std::memcpy(&v, &wide, sizeof v);
+  v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 #elif defined(__F16C__)
   const __m256 low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m256 high = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
@@ -66,6 +65,16 @@ inline Lanes load(const Half* p) {  // the processor's conversion instructions (
   for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
 #endif
   return v;
+}
+
+// a * b + c rounded once, lane by lane (as std::fma: the same bits in a loop's vector body and its scalar remainder).
+inline Lanes fused(Lanes a, Lanes b, Lanes c) {
+#if defined(__AVX512F__)
+  c = _mm512_fmadd_ps(a, b, c);  // Lanes is __m512's type
+#else
+  for (int64_t l = 0; l < kLanes; ++l) c[l] = std::fma(a[l], b[l], c[l]);
+#endif
+  return c;
 }
 
 // Ask for the cache lines of a row of D halves ahead of its reads: a row's keys and values are short runs of memory
@@ -205,7 +214,7 @@ void weighted_columns(const float* w, const Half* values, const int32_t* slots, 
     for (int64_t b = 0; b < B; ++b) v[b] = load(value + b * kLanes);
     for (int64_t g = 0; g < G; ++g) {
       const float weight = w[g * n + j];
-      for (int64_t b = 0; b < B; ++b) sum[g][b] += weight * v[b];
+      for (int64_t b = 0; b < B; ++b) sum[g][b] = fused(Lanes{} + weight, v[b], sum[g][b]);
     }
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -278,10 +287,12 @@ void attend_heads(const float* q, const Half* keys, const Half* values, int64_t 
       int64_t i = 0;
       for (; i + kLanes <= D; i += kLanes) {
         const Lanes k = load(key + i);
-        for (int64_t g = 0; g < G; ++g) partial[g][s] += load(q + g * D + i) * k;
+        for (int64_t g = 0; g < G; ++g) partial[g][s] = fused(load(q + g * D + i), k, partial[g][s]);
       }
       for (int64_t g = 0; g < G; ++g) {
-        for (int64_t l = 0; i + l < D; ++l) partial[g][s][l] += q[g * D + i + l] * static_cast<float>(key[i + l]);
+        for (int64_t l = 0; i + l < D; ++l) {
+          partial[g][s][l] = std::fma(q[g * D + i + l], static_cast<float>(key[i + l]), partial[g][s][l]);
+        }
       }
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -312,7 +323,7 @@ void attend_heads(const float* q, const Half* keys, const Half* values, int64_t 
     for (int64_t g = 0; g < G; ++g) {
       float sum = 0.0f;
       for (int64_t j = 0; j < n; ++j) {
-        sum += weights[g * n + j] * static_cast<float>(values[slots[j] * value_stride + d]);
+        sum = std::fma(weights[g * n + j], static_cast<float>(values[slots[j] * value_stride + d]), sum);
       }
       out[g * D + d] = sum * inverse_total[g];
     }
