@@ -10,7 +10,7 @@ import torch
 import minilade.decoding.step_costs as step_costs
 import minilade.memo as memo
 from minilade.decoding import Autoregressive, Lookahead
-from minilade.decoding.auto import PRIORS, Auto, best_plan
+from minilade.decoding.auto import PRIORS, Auto, AutoDecoder, best_plan
 from minilade.decoding.base import StepKind
 from minilade.decoding.step_costs import StepCosts, step_costs_for
 from minilade.device import make_exact
@@ -63,6 +63,23 @@ def test_a_probe_is_taken_only_where_it_costs_little() -> None:
     for costs, probes in ((cheap, True), (costs_of(lambda T: float(T)), False)):
         got, run = run_tokens(model, prompt, Auto(4, 4, 4, costs=costs), max_new_tokens=100)
         assert set(run.stats.step_kinds) == ({StepKind(), probe} if probes else {StepKind()}), run.stats.step_kinds
+
+
+def test_after_a_run_of_plain_steps_auto_plans_only_every_few_steps(monkeypatch) -> None:
+    """Where no draft pays, the first PLAN_ALWAYS steps are planned, then one in PLAN_EVERY (planning costs the same
+    whatever it decides); the output stays plain decoding's."""
+    model = tiny_model(vocab=12, seed=1)
+    prompt = [1, 2, 3, 4] * 6
+    planned = []
+    choose = AutoDecoder.choose
+    monkeypatch.setattr(AutoDecoder, "choose", lambda self, tree: planned.append(1) or choose(self, tree))
+    expected, _ = run_tokens(model, prompt, Autoregressive())
+    got, run = run_tokens(model, prompt, Auto(4, 4, 4, costs=costs_of(lambda T: float(T))))
+    assert got == expected and set(run.stats.step_kinds) == {StepKind()}
+    steps = run.stats.steps - 1  # after the prefill
+    plan_always, plan_every = AutoDecoder.PLAN_ALWAYS, AutoDecoder.PLAN_EVERY
+    assert steps > 2 * plan_always
+    assert len(planned) == plan_always + len(range(plan_always, steps, plan_every))
 
 
 def test_free_steps_mean_the_largest_useful_step() -> None:
