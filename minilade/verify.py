@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .masks import CandidateTree
-from .sampling import Sampler
+from .sampling import Sampler, largest
 
 
 @dataclass(frozen=True)
@@ -43,15 +43,19 @@ def verify_tree(sampler: Sampler, x_logits: torch.Tensor, node_logits: torch.Ten
     """
     device = x_logits.device
     first_logits = sampler.penalize(x_logits)
-    first_choice = first_logits.argmax(-1)
+    first_choice = largest(first_logits)
     if tree.n_paths == 0:
         zero = first_choice.new_zeros(())
         token = first_choice if sampler.greedy else sampler.draw(sampler.probs(first_logits))
         return zero, zero, first_choice.new_zeros(0), token.view(1)
     node_of, lengths = tree.node_of.to(device), tree.lengths.to(device)
     candidates = tree.tokens[tree.node_of].to(device)  # (g, K), past a candidate's end: its last token again
-    cand_logits = sampler.penalize(node_logits[node_of], candidates)  # (g, K, V)
-    best, n_accepted, chain, matches = greedy_verify(first_choice, candidates, cand_logits.argmax(-1), lengths)
+    if sampler.penalizes or not sampler.greedy:  # each candidate's token judged with its own history, or sampled
+        cand_logits = sampler.penalize(node_logits[node_of], candidates)  # (g, K, V)
+        choices = largest(cand_logits)
+    else:  # a node's choice is the same in every candidate through it: one per node
+        choices = largest(node_logits)[node_of]
+    best, n_accepted, chain, matches = greedy_verify(first_choice, candidates, choices, lengths)
     if not sampler.greedy:
         best, n_accepted, chain = sample_verify(sampler.probs(first_logits), candidates, cand_logits, sampler,
                                                 lengths=lengths)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minilade.decoding import Autoregressive, GenerationSettings, GenerationStats, Lookahead, TokenRun, decode_tokens
-from minilade.sampling import SamplingParams, seeded, warp
+from minilade.sampling import SamplingParams, largest, seeded, warp
 
 from .helpers import run_tokens, tiny_model
 
@@ -115,3 +115,16 @@ def test_values_of_the_wrong_type_are_value_errors(kwargs: dict, fact: str) -> N
     """Found by the fuzzer through generation_config.json (a TypeError from a comparison before)."""
     with pytest.raises(ValueError, match=fact):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("shape", [(49152,), (3, 1000), (2, 4, 257)])
+def test_largest_is_torch_argmax_ties_nans_and_infinities_included(shape: tuple[int, ...]) -> None:
+    """sampling.largest (numpy's argmax on CPU float32) picks torch.argmax's index in every row: the first of equal
+    values, a NaN over everything, -inf rows, strided views; other dtypes go to torch.argmax itself."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, shape, generator=gen).float()  # few values: many ties
+    x.view(-1, shape[-1])[0, 5] = float("nan")
+    x.view(-1, shape[-1])[-1] = -torch.inf
+    for logits in (x, x[..., ::2], x.transpose(0, -1) if x.dim() > 1 else x, x.double(), x.bfloat16()):
+        got = largest(logits)
+        assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(-1))

@@ -22,6 +22,7 @@ import torch
 
 from ..masks import CandidateTree, LookaheadLayout, StepShape
 from ..ngram_pool import NGramPool
+from ..sampling import largest
 from ..verify import Verdict, verify_tree
 from .base import DecodeContext, Decoder, Step, StepKind, Strategy, option, whole_number
 
@@ -158,7 +159,7 @@ def packed_step(ctx: DecodeContext, shape: StepShape, base: torch.Tensor, tree: 
     logits = ctx.model(tokens[None], ctx.cache.length + offsets, ctx.cache, mask, logits_rows=read)[0]  # (R, V)
     if observe is not None:
         observe(tokens[read], logits)
-    new_level = logits[shape.level_logits].argmax(-1)
+    new_level = largest(logits[shape.level_logits])
     winner, n_accepted, matches, chain = verify_tree(ctx.sampler, logits[0], logits[shape.node_logits_from:], tree,
                                                      max_accepted)
     winner, n_accepted, matches, chain, new_level = read_back(winner, n_accepted, matches, chain, new_level)

@@ -66,6 +66,9 @@ PLAIN_BEFORE = 2  # plain steps before each timed one
 # made a table whose plain step cost more than its 2-row one (a drafted row then looks free).
 PLAIN_SAMPLES = 5
 DRAFT_CHAIN = 4  # the longest draft path of a timed step (the paths of auto's steps are mostly this short or shorter)
+# The version of a decoding step's host work (its masks, verification and cache compaction), part of the key of kept
+# costs: a change to that work makes kept tables stale, and they are measured again.
+HOST_VERSION = 2
 
 
 class _StepTimer:
@@ -162,15 +165,16 @@ def step_costs_for(model: Transformer, sizes: Sequence[int], cost_file: str | Pa
 
 def cost_key(model: Transformer) -> str:
     """What the cost of a step depends on: the model's shape, dtype, quantized layers, how its steps run (eager or
-    compiled), device (the processor, on the CPU), the torch build and the version of minilade's step kernels.
-    (device.make_exact keeps its verdicts under the same key: they depend on the same things.)"""
+    compiled), device (the processor, on the CPU), the torch build, the version of a step's host work and that of
+    minilade's step kernels. (device.make_exact keeps its verdicts under the same key: they depend on the same
+    things but the host work.)"""
     c = model.config
     device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else f"cpu {processor()}"
     quantized = quantized_layers(model)
     steps = f"|{model.step_runner.name} steps" if model.step_runner is not None else ""  # compiled.py's
     return (f"L{c.n_layers}-d{c.dim}-h{c.n_heads}/{c.n_kv_heads}-ff{c.intermediate_size}-v{c.vocab_size}|"
             f"{model.dtype}{f' ({quantized})' if quantized else ''}{steps}|{device}|threads {torch.get_num_threads()}|"
-            f"torch {torch.__version__}|steps as decoding runs them|kernels {KERNELS_VERSION}")
+            f"torch {torch.__version__}|steps as decoding runs them|host {HOST_VERSION}|kernels {KERNELS_VERSION}")
 
 
 def quantized_layers(model: nn.Module) -> str:
