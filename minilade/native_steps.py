@@ -35,7 +35,8 @@ from .integer_linear import W7A8Linear
 from .kv_cache import KVCache
 from .model import Transformer
 
-SOURCE = Path(__file__).parent / "csrc" / "native_layer.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "native_layer.cpp"  # and the headers it includes, HEADERS
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("native_*.h"))
 
 
 PROMPT_PART = 256  # rows of a long causal forward (a prompt) a pass at most: its visible slots grow as rows x keys
@@ -95,8 +96,8 @@ class NativeSteps:
     """A model's step_runner (Transformer.forward hands it every forward, the prefill included): the layers as one
     native pass (layers_pass); the embedding, final norm and output head as the eager step runs them."""
 
-    # In the keys under which step costs and exactness verdicts are kept: they hold for this source only.
-    name = f"native {hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}"
+    # In the keys under which step costs and exactness verdicts are kept: they hold for these sources only.
+    name = f"native {hashlib.sha256(b''.join(f.read_bytes() for f in [SOURCE, *HEADERS])).hexdigest()[:12]}"
     # The prefill too (Transformer.forward): a prompt's rows then get the bits a decoding step would give them, so
     # that rows kept from an answer serve a later prompt exactly, and a prompt read in parts gets its whole bits.
     runs_prefill = True
