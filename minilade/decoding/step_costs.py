@@ -143,21 +143,38 @@ class StepCosts:
 
 
 _MEASURED: "weakref.WeakKeyDictionary[Transformer, dict[int, float]]" = weakref.WeakKeyDictionary()
+# The most a step may cost against a wider one in a table that is kept. A table measured while something else ran
+# on the machine (two servers starting at once measured one step of 2 rows at 52.8 ms and one of 3 at 15.8) would be
+# kept and planned with for good: lifted (StepCosts), its dips make every wider step look free.
+PLAUSIBLE_DIP = 1.25
+
+
+def plausible(seconds: dict[int, float]) -> bool:
+    """Whether no step of the table costs more than PLAUSIBLE_DIP times a wider one."""
+    by_size = [seconds[T] for T in sorted(seconds)]
+    return all(a <= PLAUSIBLE_DIP * min(by_size[i + 1:]) for i, a in enumerate(by_size[:-1]))
 
 
 def step_costs_for(model: Transformer, sizes: Sequence[int], cost_file: str | Path | None = None, *,
                    agree: Agree = single_process) -> StepCosts:
-    """Step costs for this model, measured once per process (and per file, when one is given).
+    """Step costs for this model, measured once per process (and per file, when one is given). A table that is not
+    plausible (a step dearer than PLAUSIBLE_DIP times a wider one: measured while something else ran) is measured
+    again, all of it, once; a kept one likewise.
     agree: rank 0's value of what it is given (DecodeContext.agree): the ranks of a sharded model measure together
     and step by rank 0's figures, which rank 0 alone keeps in the file."""
     known = _MEASURED.setdefault(model, {})
     key = cost_key(model)
     if cost_file is not None and not set(sizes) <= set(known):
-        known.update((_read_costs(Path(cost_file)) or {}).get(key, {}))
+        kept = (_read_costs(Path(cost_file)) or {}).get(key, {})
+        if plausible(kept):
+            known.update(kept)
     ticket = secrets.randbits(64)  # rank 0 is the one process that gets its own ticket back
     missing, first_ticket = agree(([T for T in sizes if T not in known], ticket))
     if missing:
         known.update(measure_step_costs(model, sorted(set(missing) | {1})))
+        if not agree(plausible(known)):
+            known.clear()
+            known.update(measure_step_costs(model, sorted(set(sizes) | {1})))
         if cost_file is not None and first_ticket == ticket:
             _write_costs(Path(cost_file), key, known)
     return StepCosts(agree({T: known.get(T, 0.0) for T in set(sizes) | {1}}))
