@@ -70,7 +70,8 @@ def test_a_rank_other_than_0_steps_by_rank_0s_costs_and_keeps_none(monkeypatch, 
     measured = []
     monkeypatch.setattr(step_costs, "measure_step_costs",
                         lambda model, sizes, **kw: measured.extend(sizes) or {T: 9.0 for T in sizes})
-    rank0 = {tuple: ([1, 4], -1), dict: {1: 0.5, 4: 0.75}}  # rank 0's ticket is no other rank's
+    # rank 0's missing sizes and ticket (no other rank's), its verdict that its table is plausible, its figures
+    rank0 = {tuple: ([1, 4], -1), bool: True, dict: {1: 0.5, 4: 0.75}}
 
     def as_rank1(value):
         return rank0[type(value)]
