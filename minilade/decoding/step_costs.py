@@ -143,9 +143,9 @@ class StepCosts:
 
 
 _MEASURED: "weakref.WeakKeyDictionary[Transformer, dict[int, float]]" = weakref.WeakKeyDictionary()
-# The most a step may cost against a wider one in a table that is kept. A table measured while something else ran
-# on the machine (two servers starting at once measured one step of 2 rows at 52.8 ms and one of 3 at 15.8) would be
-# kept and planned with for good: lifted (StepCosts), its dips make every wider step look free.
+# The most a step may cost against a wider one in a table that is kept. Measured while something else runs on the
+# machine, a step can come out several times dearer than a wider one; kept and lifted (StepCosts), such dips would
+# make every wider step look free for good.
 PLAUSIBLE_DIP = 1.25
 
 
