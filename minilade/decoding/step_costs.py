@@ -157,17 +157,16 @@ def plausible(seconds: dict[int, float]) -> bool:
 
 def step_costs_for(model: Transformer, sizes: Sequence[int], cost_file: str | Path | None = None, *,
                    agree: Agree = single_process) -> StepCosts:
-    """Step costs for this model, measured once per process (and per file, when one is given). A table that is not
-    plausible (a step dearer than PLAUSIBLE_DIP times a wider one: measured while something else ran) is measured
-    again, all of it, once; a kept one likewise.
+    """Step costs for this model, measured once per process (and per file, when one is given). A measured table that
+    is not plausible (a step dearer than PLAUSIBLE_DIP times a wider one: measured while something else ran) is
+    measured again, all of it, once, before it is kept. A kept table is used as it is: auto's plans, and with them a
+    seeded sampled answer, must be the same in every process that reads the file (the server's and the CLI's).
     agree: rank 0's value of what it is given (DecodeContext.agree): the ranks of a sharded model measure together
     and step by rank 0's figures, which rank 0 alone keeps in the file."""
     known = _MEASURED.setdefault(model, {})
     key = cost_key(model)
     if cost_file is not None and not set(sizes) <= set(known):
-        kept = (_read_costs(Path(cost_file)) or {}).get(key, {})
-        if plausible(kept):
-            known.update(kept)
+        known.update((_read_costs(Path(cost_file)) or {}).get(key, {}))
     ticket = secrets.randbits(64)  # rank 0 is the one process that gets its own ticket back
     missing, first_ticket = agree(([T for T in sizes if T not in known], ticket))
     if missing:
