@@ -9,9 +9,10 @@ import pytest
 
 from minilade.decoding.lookahead import Lookahead
 from minilade.llm import LLM
+from minilade.serve.compiled_pass import SharedPasses
 
 from .helpers import run_cli
-from .test_real_model import PROMPTS, assert_equal_plain_decoding
+from .test_real_model import PROMPTS, assert_equal_plain_decoding, assert_prefill_parts_equal_whole
 
 # The graphs compile once (over a minute on 2 cores), in the worker that runs this module's tests.
 pytestmark = [pytest.mark.real_model, pytest.mark.xdist_group("real-compiled")]
@@ -33,6 +34,11 @@ def test_compiled_steps_pass_the_exactness_check(llm) -> None:
 @pytest.mark.parametrize("name", ["code", "chat", "math"])
 def test_greedy_auto_and_lookahead_equal_plain_decoding_through_compiled_steps(llm, name: str) -> None:
     assert_equal_plain_decoding(llm, name, ("auto", Lookahead(window=5, ngram=4, guesses=5)), max_new_tokens=48)
+
+
+def test_a_prompt_read_in_parts_beside_compiled_steps_gives_the_bits_of_one_piece(llm) -> None:
+    """The server reads a long prompt in parts while other requests take compiled steps (the parts run eagerly)."""
+    assert_prefill_parts_equal_whole(llm, SharedPasses.checked(llm.model))
 
 
 def test_the_cli_loads_the_kept_graphs_instead_of_compiling(llm, smollm2_gguf) -> None:

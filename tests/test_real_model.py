@@ -32,6 +32,35 @@ def assert_equal_plain_decoding(llm: LLM, name: str, strategies: tuple, max_new_
         assert got.stats.forward_passes <= reference.stats.forward_passes
 
 
+
+def assert_prefill_parts_equal_whole(llm: LLM, passes) -> None:
+    """A prompt of some 200 tokens read in parts of 16, 32 and 64 rows, each part in a server pass beside another
+    request's one-row step (`passes`: the server's pass for the model's step runner, None for eager layers alone),
+    gives the last row's logits and every K/V row of the prompt read whole, bit for bit."""
+    from minilade.serve.batched import ForwardCall, batched_forward, prepare_call
+    from minilade.serve.prefill import prefill_calls
+
+    model = llm.model
+    ids = llm.tokenizer.encode(" ".join(text for text, _ in PROMPTS.values()) * 3)[:200]
+    T, prompt = len(ids), torch.tensor([ids])
+    with torch.inference_mode():
+        whole = model.new_cache(T)
+        expected = model(prompt, torch.arange(T), whole, logits_rows=torch.tensor([T - 1]))
+        other = model.new_cache(T + 16)
+        model(prompt[:, :40], torch.arange(40), other)
+        other.commit(40)
+        for chunk in (16, 32, 64):
+            cache = model.new_cache(T)
+            _, parts = prefill_calls(ForwardCall(prompt, torch.arange(T), cache, None, torch.tensor([T - 1])), None,
+                                     chunk=chunk)
+            for part in parts:
+                step = ForwardCall(prompt[:, 40:41], torch.tensor([40]), other, None, None)  # never committed
+                logits = batched_forward(model, [prepare_call(model, part), prepare_call(model, step)], passes)[0]
+            assert torch.equal(logits, expected), chunk
+            assert torch.equal(cache.k[:, :, :, :T], whole.k[:, :, :, :T]), chunk
+            assert torch.equal(cache.v[:, :, :, :T], whole.v[:, :, :, :T]), chunk
+
+
 @pytest.fixture(scope="module")
 def llm(smollm2_gguf) -> LLM:
     return LLM.load(smollm2_gguf, dtype="float32", device="cpu", progress=False, compile=False)
@@ -110,3 +139,7 @@ def test_chat_ends_at_end_of_turn(llm) -> None:
 def test_prompt_longer_than_context_is_a_clear_error(llm) -> None:
     with pytest.raises(ValueError, match="context is 8192 tokens"):
         llm.generate([1] * 9000)
+
+
+def test_a_prompt_read_in_parts_through_eager_passes_gives_the_bits_of_one_piece(llm) -> None:
+    assert_prefill_parts_equal_whole(llm, None)

@@ -9,8 +9,9 @@ from minilade.decoding.lookahead import Lookahead
 from minilade.device import check_invariance
 from minilade.llm import LLM
 from minilade.native_steps import NativeSteps, native_missing
+from minilade.serve.native_pass import NativePasses
 
-from .test_real_model import assert_equal_plain_decoding
+from .test_real_model import assert_equal_plain_decoding, assert_prefill_parts_equal_whole
 
 pytestmark = pytest.mark.real_model
 
@@ -31,3 +32,7 @@ def test_native_steps_pass_the_exactness_check(llm) -> None:
 @pytest.mark.parametrize("name", ["code", "chat", "math"])
 def test_greedy_auto_and_lookahead_equal_plain_decoding_through_native_steps(llm, name: str) -> None:
     assert_equal_plain_decoding(llm, name, ("auto", Lookahead(window=5, ngram=4, guesses=5)), max_new_tokens=48)
+
+
+def test_a_prompt_read_in_parts_through_native_passes_gives_the_bits_of_one_piece(llm) -> None:
+    assert_prefill_parts_equal_whole(llm, NativePasses.checked(llm.model))
