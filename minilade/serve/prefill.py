@@ -30,7 +30,7 @@ from ..model import Transformer
 from .batched import ForwardCall
 
 MIN_REUSE = 4  # fewer common tokens than this are recomputed: not worth a copy
-PREFILL_CHUNK = 32  # prompt rows per pass while others run: they wait at most one such pass for a new prompt
+PREFILL_CHUNK = 16  # prompt rows per pass while others run: they wait at most one such pass for a new prompt
 PREFILL_ALONE = 256  # prompt rows per pass while no other request runs (one block of invariance.CausalPrefill)
 
 
