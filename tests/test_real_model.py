@@ -32,7 +32,6 @@ def assert_equal_plain_decoding(llm: LLM, name: str, strategies: tuple, max_new_
         assert got.stats.forward_passes <= reference.stats.forward_passes
 
 
-
 def assert_prefill_parts_equal_whole(llm: LLM, passes) -> None:
     """A prompt of some 200 tokens read in parts of 16, 32 and 64 rows, each part in a server pass beside another
     request's one-row step (`passes`: the server's pass for the model's step runner, None for eager layers alone),

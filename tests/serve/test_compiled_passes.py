@@ -187,10 +187,9 @@ def test_a_context_too_short_for_the_probes_leaves_compiled_calls_one_after_anot
 
 def test_the_cost_of_a_compiled_pass_is_the_pools_and_each_group_of_wider_calls(llm):
     """Planning a compiled pass: where two one-row calls or more share the pool's pass, every generation costs a slot
-    of it (measured at the check, in one-row steps),
-    a lone one-row call its own step; the wider calls their steps on top, but in a group only the dearest at its full
-    cost (a measured share of their own steps); the parts of prompts one eager
-    pass of all their rows; a generation alone its own step."""
+    of it (measured at the check, in one-row steps), a lone one-row call its own step; the wider calls their steps on
+    top, but in a group only the dearest at its full cost (the others a measured share of their own steps); the
+    parts of prompts one eager pass of all their rows; a generation alone its own step."""
     passes = SharedPasses.checked(llm.model)
     (base, per_call), share = passes.pool_costs, passes.group_share
     # The measured figures are only held to their clamps here: how they compare (a pass of four dearer than one of
