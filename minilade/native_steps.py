@@ -5,7 +5,9 @@ wrapper, each a parallel region of its own, and on a one-row step of the demo mo
 much again as the weight matmuls. `NativeSteps` runs the layers of a forward as one call of a C++ operator
 (csrc/native_layer.cpp) that holds the model's layer weights (`registered`): the norms, the rounding of activations
 to 8-bit codes, rotary, the cache writes, attention and SwiGLU are loops over each row's own numbers, and the weight
-matmuls are fbgemm's w7a8 kernel over all rows, the same call W7A8Linear makes. The operator takes the rows of
+matmuls are integer dot products over a copy of each weight's codes laid out for them (csrc/native_matmul.h: the
+bits of fbgemm's w7a8 call, the one W7A8Linear makes, in x0.75-x0.95 of its time; one more byte a weight held while
+the model's steps run natively). The operator takes the rows of
 several calls, each over its own cache (`layers_pass`): the server runs every call of a pass, its requests' steps and
 prompt parts, as one pass through it (serve/native_pass.py). Its caches keep keys and values in float16
 (`NativeSteps.cache_dtype`): a pass over several requests' caches reads about as many bytes of them as of weights.
@@ -147,7 +149,8 @@ _NEXT_KEY = itertools.count()
 
 def registered(model: Transformer) -> int:
     """The key under which the operator holds the model's layer weights (its norms and four packed w7a8 weights a
-    layer), registered at the model's first native pass and forgotten when the model goes: a pass then hands the
+    layer, each with its codes laid out for the operator's matmul), registered at the model's first native pass and
+    forgotten when the model goes: a pass then hands the
     operator none of them (gathering them through the modules' attributes, and torch checking a call's packed
     weights for fake ones, took some 25 us a layer). A model's layers do not change once its steps run natively."""
     if model not in _KEYS:

@@ -5,11 +5,11 @@
 // x (R, dim) float32 holds the rows of one or more calls, each over its own KV cache: call c owns rows
 // [start_c, start_c + T_c), writes their keys and values into its cache at slots [past_c, past_c + T_c), and each
 // of its rows attends over the slots listed for it (visible_slots[row_offsets[r] : row_offsets[r + 1]], in
-// ascending order). Every operation but the weight matmuls is written here (the arithmetic of lanes in
-// native_lanes.h, attention in native_attention.h), row by row: the same code computes a row whatever the other
-// rows, in an order of sums fixed by the code (lanes of kLanes, then a fixed tree), so a row's result does not
-// depend on how many rows the pass has or which. The weight matmuls are fbgemm's w7a8 kernel
-// over all rows at once, which gives each row the same bits at every row count (the load-time check verifies it).
+// ascending order). Every operation is written here (the arithmetic of lanes in native_lanes.h, attention in
+// native_attention.h, the weight matmuls in native_matmul.h), row by row: the same code computes a row whatever the
+// other rows, in an order of sums fixed by the code (lanes of kLanes, then a fixed tree), so a row's result does not
+// depend on how many rows the pass has or which. The weight matmuls sum integer products, exact in any order, and
+// give fbgemm's w7a8 call's bits (which serves where the processor has no integer dot products for them).
 // Attention over a row's keys visits them in slot order, which is their positions' order: a token's keys and
 // values come out the same whether the token was a row of a wide step or a step of its own. The caches keep keys
 // and values in float16 (a call's keys and values rounded once, as they are written): attention over many caches
@@ -30,6 +30,7 @@
 
 #include "native_attention.h"
 #include "native_lanes.h"
+#include "native_matmul.h"
 
 namespace {
 
@@ -51,20 +52,46 @@ void rms_norm(const float* __restrict x, const float* __restrict weight, float e
   }
 }
 
+// A w7a8 weight: fbgemm's packed object, and its codes laid out for integer_matmul (native_matmul.h) where this build
+// has the instructions for it.
+struct Linear {
+  Packed packed;
+  MatmulCodes codes;
+};
+
+Linear linear_of(const Packed& packed) { return {packed, matmul_codes(packed)}; }
+
 // y = x @ W.T for a w7a8 weight, each row of x rounded to 8-bit codes by its largest magnitude (integer_linear.py's
-// W7A8Linear.forward, the same operations): x (R, K) -> (R, N).
-at::Tensor w7a8_linear(const at::Tensor& x, const Packed& weight) {
+// W7A8Linear.forward, the same operations): x (R, K) -> (R, N). By integer_matmul where the weight's codes are laid
+// out for it (unless by_fbgemm), else through fbgemm's call: the same bits either way.
+at::Tensor w7a8_linear(const at::Tensor& x, const Linear& weight, bool by_fbgemm = false) {
   const int64_t R = x.size(0), K = x.size(1);
-  at::Tensor codes = at::empty_like(x);
   std::vector<float> scales(R);
   for (int64_t r = 0; r < R; ++r) {
     const float* __restrict in = x.const_data_ptr<float>() + r * K;
-    float* __restrict out = codes.mutable_data_ptr<float>() + r * K;
-    const float scale = std::max(largest_magnitude(in, K), std::numeric_limits<float>::min()) / kActivationLevels;
-    for (int64_t i = 0; i < K; ++i) out[i] = std::nearbyint(in[i] / scale);
-    scales[r] = scale;
+    scales[r] = std::max(largest_magnitude(in, K), std::numeric_limits<float>::min()) / kActivationLevels;
   }
-  at::Tensor y = weight->apply_with_input_q_dq_qweight_dq_output_fp32(codes, kCodesScale, kZeroPoint);
+  if (!by_fbgemm && weight.codes.codes.defined()) {
+    const int64_t stride = weight.codes.K4;
+    std::vector<uint8_t> codes(R * stride, 0);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* __restrict in = x.const_data_ptr<float>() + r * K;
+      uint8_t* __restrict out = codes.data() + r * stride;
+      const float scale = scales[r];
+      for (int64_t i = 0; i < K; ++i) out[i] = static_cast<uint8_t>(std::nearbyint(in[i] / scale) + kZeroPoint);
+    }
+    at::Tensor y = at::empty({R, weight.codes.N}, x.options());
+    integer_matmul(weight.codes, codes.data(), R, scales.data(), y.mutable_data_ptr<float>());
+    return y;
+  }
+  at::Tensor codes = at::empty_like(x);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* __restrict in = x.const_data_ptr<float>() + r * K;
+    float* __restrict out = codes.mutable_data_ptr<float>() + r * K;
+    const float scale = scales[r];
+    for (int64_t i = 0; i < K; ++i) out[i] = std::nearbyint(in[i] / scale);
+  }
+  at::Tensor y = weight.packed->apply_with_input_q_dq_qweight_dq_output_fp32(codes, kCodesScale, kZeroPoint);
   const int64_t N = y.size(1);
   for (int64_t r = 0; r < R; ++r) {
     float* __restrict row = y.mutable_data_ptr<float>() + r * N;
@@ -87,7 +114,7 @@ inline void rotate(float* __restrict x, const float* __restrict cos, const float
 struct LayerWeights {
   at::Tensor attention_norm, ffn_norm;  // (dim,) float32
   float eps;
-  Packed wqkv, wo, gate_up, down;
+  Linear wqkv, wo, gate_up, down;
   int64_t n_heads, n_kv_heads;
 };
 
@@ -104,8 +131,8 @@ void add_layer(int64_t model, const at::Tensor& attention_norm, const at::Tensor
                   attention_norm.is_contiguous() && ffn_norm.is_contiguous(), "native layer: float32 norms");
   TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "native layer: heads must group evenly");
   std::lock_guard<std::mutex> guard(models_lock);
-  models()[model].push_back({attention_norm, ffn_norm, static_cast<float>(eps), wqkv, wo, gate_up, down, n_heads,
-                             n_kv_heads});
+  models()[model].push_back({attention_norm, ffn_norm, static_cast<float>(eps), linear_of(wqkv), linear_of(wo),
+                             linear_of(gate_up), linear_of(down), n_heads, n_kv_heads});
 }
 
 void forget_model(int64_t model) {
@@ -213,6 +240,12 @@ at::Tensor layers(int64_t model, const at::Tensor& x, const at::Tensor& cos, con
   return out;
 }
 
+// One w7a8 matmul as a pass computes it, or through fbgemm's call (for tests: the two give the same bits).
+at::Tensor linear(const at::Tensor& x, const Packed& weight, bool by_fbgemm) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "native layer: x must be (rows, K) float32");
+  return w7a8_linear(x.contiguous(), linear_of(weight), by_fbgemm);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(minilade_native_layer, m) {
@@ -228,4 +261,7 @@ TORCH_LIBRARY(minilade_native_layer, m) {
       "layers(int model, Tensor x, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, int[] call_rows, "
       "int[] call_past, Tensor visible_slots, Tensor row_offsets) -> Tensor",
       layers);
+  m.def("linear(Tensor x, __torch__.torch.classes.quantized.LinearPackedParamsBase weight, bool by_fbgemm) -> Tensor",
+        linear);
+  m.def("has_integer_matmul() -> bool", []() { return kHasDotProducts; });
 }

@@ -10,6 +10,7 @@ from minilade import Auto, Lookahead, compile_policy, native_steps
 from minilade.compile_policy import choose_steps
 from minilade.config import ModelConfig
 from minilade.device import check_invariance, make_exact
+from minilade.integer_linear import W7A8Linear
 from minilade.masks import interleaved_step
 from minilade.model import Transformer
 from minilade.native_steps import NativeCall, NativeSteps, layers_pass, native_missing
@@ -46,6 +47,24 @@ def test_native_rows_are_the_same_at_every_row_count(head_dim: int, sliding_wind
     16 lanes or not), with a sliding window that cuts the rows' keys, and with a group of query heads the
     operator's attention takes one head at a time."""
     assert check_invariance(native_model(head_dim, sliding_window, heads), contexts=(5, 70))
+
+
+@pytest.mark.parametrize("outputs, inputs", [(96, 64), (64, 128), (37, 13), (130, 2051), (7, 1)])
+def test_the_operators_matmul_gives_fbgemms_bits_at_every_row_count(outputs: int, inputs: int) -> None:
+    """The operator's own integer matmul (csrc/native_matmul.h) gives what fbgemm's w7a8 call gives, bit for bit, at
+    every row count of its row tiles and wider, for weights whose outputs fill no whole column block and whose inputs
+    no whole quad of codes, and for rows of any magnitude, zero included."""
+    assert native_steps.load() is None
+    ops = torch.ops.minilade_native_layer
+    if not ops.has_integer_matmul():
+        pytest.skip("this processor has no integer dot products: fbgemm's call computes every matmul")
+    generator = torch.Generator().manual_seed(outputs * inputs)
+    weight = W7A8Linear(torch.randn(outputs, inputs, generator=generator))
+    for rows in [*range(1, 14), 31]:
+        x = torch.randn(rows, inputs, generator=generator) * torch.logspace(-3, 3, rows)[:, None]
+        x[rows // 2] = 0.0
+        ours, fbgemms = ops.linear(x, weight.packed, False), ops.linear(x, weight.packed, True)
+        assert torch.equal(ours, fbgemms), (rows, (ours - fbgemms).abs().max().item())
 
 
 def test_greedy_lookahead_and_auto_equal_plain_decoding_through_native_steps() -> None:

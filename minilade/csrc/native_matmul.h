@@ -1,0 +1,208 @@
+// The weight matmuls of minilade_native_layer (native_layer.cpp): integer dot products over a copy of a w7a8
+// weight's codes laid out for them (`MatmulCodes`), with no call into fbgemm.
+//
+// fbgemm's w7a8 call quantizes and packs its input, allocates buffers and runs a parallel region of its own at every
+// call, and its kernel streamed a one-row step's weights at about 60% of the memory bandwidth a plain read reaches.
+// `integer_matmul` reads each code once a pass, every row of a tile using it while it is in a register, from a layout
+// in which a thread's share of a weight is one run of memory, asked for ahead of its reads; the rows of a tile
+// are handed to it interleaved so that one load brings a quad of inputs of all of them. On the demo model's layers
+// (2 threads, AVX-512 VNNI) it took x0.75-x0.95 of fbgemm's time at 1 to 256 rows (docs/benchmarks.md).
+//
+// The same bits as fbgemm's call, by construction: a row's sum of integer products is exact in any order (int32
+// lanes, no saturation: on AVX2 a pair of u8 x s8 products is at most 2 x 255 x 63 = 32130, under the 16-bit bound,
+// because the weight codes are 7-bit), and it becomes a float as fbgemm's requantization makes it one:
+// float(sum - 128 x column sum) x weight scale (x an activation scale of 1, exact), then x the row's own scale as
+// w7a8_linear applies it. tests/test_native_steps.py compares the two, bit for bit, at many row counts and shapes.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/quantized/PackedParams.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
+#if defined(__AVX512VNNI__)
+using Ints = __m512i;  // int32 lanes
+constexpr int64_t kIntLanes = 16;
+inline Ints zeros() { return _mm512_setzero_si512(); }
+inline Ints load_ints(const void* p) { return _mm512_loadu_si512(p); }
+inline Ints broadcast(const uint8_t* four) {
+  int32_t v;
+  std::memcpy(&v, four, 4);
+  return _mm512_set1_epi32(v);
+}
+// Each int32 lane of acc plus the sum of its four u8 x s8 products, exactly.
+inline Ints dot_add(Ints acc, Ints x, Ints w) { return _mm512_dpbusd_epi32(acc, x, w); }
+inline Ints add(Ints a, Ints b) { return _mm512_add_epi32(a, b); }
+inline void store_ints(int32_t* p, Ints v) { _mm512_storeu_si512(p, v); }
+#else
+using Ints = __m256i;
+constexpr int64_t kIntLanes = 8;
+inline Ints zeros() { return _mm256_setzero_si256(); }
+inline Ints load_ints(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline Ints broadcast(const uint8_t* four) {
+  int32_t v;
+  std::memcpy(&v, four, 4);
+  return _mm256_set1_epi32(v);
+}
+// Pairs of u8 x s8 products in 16 bits (exact for 7-bit weight codes), then pairs of those in 32.
+inline Ints dot_add(Ints acc, Ints x, Ints w) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), _mm256_set1_epi16(1)));
+}
+inline Ints add(Ints a, Ints b) { return _mm256_add_epi32(a, b); }
+inline void store_ints(int32_t* p, Ints v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+#endif
+constexpr bool kHasDotProducts = true;
+#else
+constexpr int64_t kIntLanes = 1;
+constexpr bool kHasDotProducts = false;  // no integer dot products to write integer_matmul with: fbgemm's call serves
+#endif
+
+constexpr int64_t kRowTile = 6;         // rows that share each load of codes (kRowTile x kVectors accumulators)
+constexpr int64_t kVectors = 4;         // int vectors in a column block: a block is kVectors x kIntLanes outputs
+constexpr int64_t kPrefetchQuads = 16;  // how far ahead of its reads a block's codes are asked for
+
+// A w7a8 weight's codes (N outputs x K inputs) for integer_matmul: columns in blocks of kVectors x kIntLanes, each
+// block one run of memory over all of K (padded to a multiple of 4), holding for inputs 4q..4q+3 the four codes of
+// each of its columns in turn: column c of block b, inputs 4q..4q+3, at codes[((b x K4 / 4 + q) x width + c) x 4].
+struct MatmulCodes {
+  at::Tensor codes;        // int8, n_blocks x K4 x width (columns past N zero); undefined: not laid out here
+  at::Tensor column_sums;  // (N,) int32: the sum of each output channel's codes
+  at::Tensor scales;       // (N,) float32: each output channel's weight scale
+  int64_t K = 0, K4 = 0, N = 0, n_blocks = 0;
+  static constexpr int64_t width = kVectors * kIntLanes;
+};
+
+// The codes of a packed w7a8 weight laid out for integer_matmul (unpacked from fbgemm's packing), or an empty
+// MatmulCodes where this build has no integer dot products to read them with (fbgemm's call then serves every pass).
+inline MatmulCodes matmul_codes(const c10::intrusive_ptr<LinearPackedParamsBase>& weight) {
+  MatmulCodes laid_out;
+  if (!kHasDotProducts) return laid_out;
+  const at::Tensor quantized = std::get<0>(weight->unpack());
+  TORCH_CHECK(quantized.qscheme() == c10::kPerChannelAffine &&
+                  quantized.q_per_channel_zero_points().eq(0).all().item<bool>(),
+              "native layer: w7a8 weights are symmetric, per output channel");
+  const at::Tensor codes = quantized.int_repr().contiguous();  // (N, K) int8
+  const int64_t N = codes.size(0), K = codes.size(1), K4 = (K + 3) / 4 * 4, width = MatmulCodes::width;
+  const int64_t n_blocks = (N + width - 1) / width;
+  at::Tensor padded = at::zeros({n_blocks * width, K4}, codes.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(codes);
+  // (blocks, width, K4 / 4, 4) -> (blocks, K4 / 4, width, 4)
+  laid_out.codes = padded.view({n_blocks, width, K4 / 4, 4}).permute({0, 2, 1, 3}).contiguous();
+  laid_out.column_sums = codes.sum(1, /*keepdim=*/false, at::kInt);
+  laid_out.scales = quantized.q_per_channel_scales().to(at::kFloat);
+  laid_out.K = K, laid_out.K4 = K4, laid_out.N = N, laid_out.n_blocks = n_blocks;
+  return laid_out;
+}
+
+// A tile of rows' activation codes as block_sums reads them: for inputs 4q..4q+3, the four u8 codes of each of the
+// tile's rows in turn (row r's at (q x rows + r) x 4), so that one quad's codes of every row are one run of memory.
+inline void interleave_quads(const uint8_t* x, int64_t rows, int64_t K4, uint8_t* tile) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t q = 0; q < K4 / 4; ++q) std::memcpy(tile + (q * rows + r) * 4, x + r * K4 + q * 4, 4);
+}
+
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
+// The int32 sums of a tile of RT rows (interleave_quads' layout) with vectors [v0, v0 + V) of the columns of block b,
+// into sums (RT, width). Each quad's codes are loaded once for all RT rows; a single row keeps two accumulators a
+// lane, even and odd quads, so that its additions do not wait on each other (an integer sum is the same in any order).
+template <int RT, int V>
+void block_sums(const MatmulCodes& w, int64_t b, int64_t v0, const uint8_t* tile, int32_t* sums) {
+  constexpr int S = RT == 1 ? 2 : 1;
+  Ints acc[S * RT][V];
+  #pragma GCC unroll 16
+  for (int a = 0; a < S * RT; ++a)
+    #pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) acc[a][v] = zeros();
+  const int64_t quads = w.K4 / 4, quad_bytes = MatmulCodes::width * 4;
+  const int8_t* codes = w.codes.const_data_ptr<int8_t>() + b * quads * quad_bytes + v0 * kIntLanes * 4;
+  for (int64_t q = 0; q < quads; ++q) {
+    const int8_t* at = codes + q * quad_bytes;
+    const uint8_t* xq = tile + q * RT * 4;
+    const int set = S == 1 ? 0 : static_cast<int>(q & 1) * RT;
+    Ints wv[V];
+    #pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) {
+      _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchQuads * quad_bytes + v * kIntLanes * 4), _MM_HINT_T0);
+      wv[v] = load_ints(at + v * kIntLanes * 4);
+    }
+    #pragma GCC unroll 16
+    for (int r = 0; r < RT; ++r) {
+      const Ints xb = broadcast(xq + r * 4);
+      #pragma GCC unroll 16
+      for (int v = 0; v < V; ++v) acc[set + r][v] = dot_add(acc[set + r][v], xb, wv[v]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r) {
+    #pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) {
+      const Ints total = S == 1 ? acc[r][v] : add(acc[r][v], acc[RT + r][v]);
+      store_ints(sums + r * MatmulCodes::width + (v0 + v) * kIntLanes, total);
+    }
+  }
+}
+
+// block_sums of a tile of RT rows (1 to kRowTile) over a whole block: up to 4 rows with all its vectors at once, more
+// in two halves (each half's codes are other cache lines of the same quads: still one read of each from memory), so
+// that a tile's accumulators stay in registers.
+template <int RT>
+void tile_sums(const MatmulCodes& w, int64_t b, const uint8_t* tile, int32_t* sums) {
+  if constexpr (RT <= 6) {
+    block_sums<RT, kVectors>(w, b, 0, tile, sums);
+  } else {
+    block_sums<RT, kVectors / 2>(w, b, 0, tile, sums);
+    block_sums<RT, kVectors / 2>(w, b, kVectors / 2, tile, sums);
+  }
+}
+
+using TileSums = void (*)(const MatmulCodes&, int64_t, const uint8_t*, int32_t*);
+constexpr TileSums kTileSums[kRowTile] = {tile_sums<1>, tile_sums<2>, tile_sums<3>, tile_sums<4>,
+                                          tile_sums<5>, tile_sums<6>};
+#endif
+
+// y (R, N) float32 = the w7a8 matmul of R rows of 8-bit codes: x (R, K4) u8, each code + 128 (fbgemm's zero point),
+// zero from K to K4; row_scales (R,) each row's activation scale. The rows go in tiles of kRowTile (interleave_quads);
+// threads take column blocks, and a block's codes are read from memory once, for the first tile, and from the cache
+// for the others.
+inline void integer_matmul(const MatmulCodes& w, const uint8_t* x, int64_t R, const float* row_scales, float* y) {
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
+  std::vector<uint8_t> tiles(R * w.K4);
+  for (int64_t r0 = 0; r0 < R; r0 += kRowTile) {
+    interleave_quads(x + r0 * w.K4, std::min(kRowTile, R - r0), w.K4, tiles.data() + r0 * w.K4);
+  }
+  const int32_t* column_sums = w.column_sums.const_data_ptr<int32_t>();
+  const float* scales = w.scales.const_data_ptr<float>();
+  at::parallel_for(0, w.n_blocks, 1, [&](int64_t begin, int64_t end) {
+    int32_t sums[kRowTile * MatmulCodes::width];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * MatmulCodes::width, columns = std::min(MatmulCodes::width, w.N - n0);
+      for (int64_t r0 = 0; r0 < R; r0 += kRowTile) {
+        const int64_t rows = std::min(kRowTile, R - r0);
+        kTileSums[rows - 1](w, b, tiles.data() + r0 * w.K4, sums);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* __restrict out = y + (r0 + r) * w.N + n0;
+          const int32_t* __restrict row_sums = sums + r * MatmulCodes::width;
+          const float row_scale = row_scales[r0 + r];
+          for (int64_t c = 0; c < columns; ++c) {
+            const int32_t sum = row_sums[c] - 128 * column_sums[n0 + c];
+            out[c] = static_cast<float>(sum) * scales[n0 + c] * row_scale;
+          }
+        }
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "native layer: no integer dot products to compute w7a8 matmuls with");
+#endif
+}
+
+}  // namespace
