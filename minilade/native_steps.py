@@ -127,9 +127,10 @@ class NativeSteps:
         return model.output(model.norm(x[None]))
 
 
-def layers_pass(model: Transformer, calls: list[NativeCall]) -> torch.Tensor:
+def layers_pass(model: Transformer, calls: list[NativeCall], registration: int | None = None) -> torch.Tensor:
     """Every layer over the rows of several calls, each over its own cache: the last layer's output (sum T, dim),
-    the calls' rows in order; each call's keys and values written into its cache at [length, length + T)."""
+    the calls' rows in order; each call's keys and values written into its cache at [length, length + T).
+    registration: the key of the model's layers with the operator (None: `registered(model)`)."""
     tokens = torch.cat([call.tokens for call in calls])
     positions = torch.cat([call.positions for call in calls])
     cos, sin = (t[0, :, 0].contiguous() for t in model.rotary(positions[None]))  # (sum T, D)
@@ -139,8 +140,8 @@ def layers_pass(model: Transformer, calls: list[NativeCall]) -> torch.Tensor:
     keys, values = [call.cache.k for call in calls], [call.cache.v for call in calls]
     rows, past = [call.tokens.shape[0] for call in calls], [call.start for call in calls]
     x = model.tok_embeddings(tokens).to(model.dtype).contiguous()
-    return torch.ops.minilade_native_layer.layers(registered(model), x, cos, sin, keys, values, rows, past, slots,
-                                                  offsets)
+    registration = registered(model) if registration is None else registration
+    return torch.ops.minilade_native_layer.layers(registration, x, cos, sin, keys, values, rows, past, slots, offsets)
 
 
 _KEYS: weakref.WeakKeyDictionary[Transformer, int] = weakref.WeakKeyDictionary()
@@ -148,22 +149,28 @@ _NEXT_KEY = itertools.count()
 
 
 def registered(model: Transformer) -> int:
-    """The key under which the operator holds the model's layer weights (its norms and four packed w7a8 weights a
-    layer, each with its codes laid out for the operator's matmul), registered at the model's first native pass and
-    forgotten when the model goes: a pass then hands the
-    operator none of them (gathering them through the modules' attributes, and torch checking a call's packed
-    weights for fake ones, took some 25 us a layer). A model's layers do not change once its steps run natively."""
+    """The key under which the operator holds the model's layer weights (register_layers), registered at the model's
+    first native pass and forgotten when the model goes: a pass then hands the operator none of them (gathering
+    them through the modules' attributes, and torch checking a call's packed weights for fake ones, took some 25 us
+    a layer). A model's layers do not change once its steps run natively."""
     if model not in _KEYS:
-        key, ops, config = next(_NEXT_KEY), torch.ops.minilade_native_layer, model.config
-        for block in model.layers:
-            attention, ffn = block.attention, block.feed_forward
-            ops.add_layer(key, block.attention_norm.weight.detach().contiguous(),
-                          block.ffn_norm.weight.detach().contiguous(), block.attention_norm.eps,
-                          attention.wqkv.packed, attention.wo.packed, ffn.w_gate_up.packed, ffn.w_down.packed,
-                          config.n_heads, config.n_kv_heads)
-        weakref.finalize(model, ops.forget_model, key).atexit = False
-        _KEYS[model] = key
+        _KEYS[model] = register_layers(model)
     return _KEYS[model]
+
+
+def register_layers(model: Transformer, integer_matmul: bool = True) -> int:
+    """Hand the operator the model's layer weights (its norms and four packed w7a8 weights a layer, each with its
+    codes laid out for the operator's integer matmul, or without: every matmul through fbgemm's call, to compare
+    the two) under a new key, forgotten when the model goes; returns the key."""
+    key, ops, config = next(_NEXT_KEY), torch.ops.minilade_native_layer, model.config
+    for block in model.layers:
+        attention, ffn = block.attention, block.feed_forward
+        ops.add_layer(key, block.attention_norm.weight.detach().contiguous(),
+                      block.ffn_norm.weight.detach().contiguous(), block.attention_norm.eps,
+                      attention.wqkv.packed, attention.wo.packed, ffn.w_gate_up.packed, ffn.w_down.packed,
+                      config.n_heads, config.n_kv_heads, integer_matmul)
+    weakref.finalize(model, ops.forget_model, key).atexit = False
+    return key
 
 
 def visible_slots(model: Transformer, call: NativeCall) -> tuple[torch.Tensor, torch.Tensor]:

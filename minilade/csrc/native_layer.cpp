@@ -110,7 +110,8 @@ inline void rotate(float* __restrict x, const float* __restrict cos, const float
   std::memcpy(x, rotated, D * sizeof(float));
 }
 
-// A layer's weights, registered once per model (add_layer) so that a pass hands the operator none of them.
+// A layer's weights, registered once per model (add_layer) so that a pass hands the operator none of them; their
+// matmuls are integer_matmul's unless registered without (every one through fbgemm's call, to compare the two).
 struct LayerWeights {
   at::Tensor attention_norm, ffn_norm;  // (dim,) float32
   float eps;
@@ -126,13 +127,15 @@ std::mutex models_lock;
 
 void add_layer(int64_t model, const at::Tensor& attention_norm, const at::Tensor& ffn_norm, double eps,
                const Packed& wqkv, const Packed& wo, const Packed& gate_up, const Packed& down, int64_t n_heads,
-               int64_t n_kv_heads) {
+               int64_t n_kv_heads,
+               bool integer_matmul) {
   TORCH_CHECK(attention_norm.scalar_type() == at::kFloat && ffn_norm.scalar_type() == at::kFloat &&
                   attention_norm.is_contiguous() && ffn_norm.is_contiguous(), "native layer: float32 norms");
   TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "native layer: heads must group evenly");
   std::lock_guard<std::mutex> guard(models_lock);
-  models()[model].push_back({attention_norm, ffn_norm, static_cast<float>(eps), linear_of(wqkv), linear_of(wo),
-                             linear_of(gate_up), linear_of(down), n_heads, n_kv_heads});
+  auto linear = [&](const Packed& packed) { return integer_matmul ? linear_of(packed) : Linear{packed, {}}; };
+  models()[model].push_back({attention_norm, ffn_norm, static_cast<float>(eps), linear(wqkv), linear(wo),
+                             linear(gate_up), linear(down), n_heads, n_kv_heads});
 }
 
 void forget_model(int64_t model) {
@@ -254,7 +257,8 @@ TORCH_LIBRARY(minilade_native_layer, m) {
       "__torch__.torch.classes.quantized.LinearPackedParamsBase wqkv, "
       "__torch__.torch.classes.quantized.LinearPackedParamsBase wo, "
       "__torch__.torch.classes.quantized.LinearPackedParamsBase gate_up, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase down, int n_heads, int n_kv_heads) -> ()",
+      "__torch__.torch.classes.quantized.LinearPackedParamsBase down, int n_heads, int n_kv_heads, "
+      "bool integer_matmul=True) -> ()",
       add_layer);
   m.def("forget_model(int model) -> ()", forget_model);
   m.def(

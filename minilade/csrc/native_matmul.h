@@ -22,8 +22,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -66,8 +68,10 @@ constexpr int64_t kIntLanes = 1;
 constexpr bool kHasDotProducts = false;  // no integer dot products to write integer_matmul with: fbgemm's call serves
 #endif
 
-constexpr int64_t kRowTile = 6;         // rows that share each load of codes (kRowTile x kVectors accumulators)
-constexpr int64_t kVectors = 4;         // int vectors in a column block: a block is kVectors x kIntLanes outputs
+constexpr int64_t kVectors = 2;  // int vectors in a column block: a block is kVectors x kIntLanes output channels
+// Rows that share each load of codes: kRowTile x kVectors accumulators in registers, with room for the codes and
+// a row's inputs (32 vector registers on AVX-512, 16 on AVX2).
+constexpr int64_t kRowTile = kIntLanes == 16 ? 12 : 4;
 constexpr int64_t kPrefetchQuads = 16;  // how far ahead of its reads a block's codes are asked for
 
 // A w7a8 weight's codes (N outputs x K inputs) for integer_matmul: columns in blocks of kVectors x kIntLanes, each
@@ -111,62 +115,56 @@ inline void interleave_quads(const uint8_t* x, int64_t rows, int64_t K4, uint8_t
 }
 
 #if defined(__AVX512VNNI__) || defined(__AVX2__)
-// The int32 sums of a tile of RT rows (interleave_quads' layout) with vectors [v0, v0 + V) of the columns of block b,
-// into sums (RT, width). Each quad's codes are loaded once for all RT rows; a single row keeps two accumulators a
-// lane, even and odd quads, so that its additions do not wait on each other (an integer sum is the same in any order).
-template <int RT, int V>
-void block_sums(const MatmulCodes& w, int64_t b, int64_t v0, const uint8_t* tile, int32_t* sums) {
-  constexpr int S = RT == 1 ? 2 : 1;
+// The int32 sums of a tile of RT rows (interleave_quads' layout) with the columns of block b, into sums (RT, width).
+// Each quad's codes are loaded once for all RT rows; a single row keeps two accumulators a lane, even and odd quads,
+// so that its additions do not wait on each other (an integer sum is the same in any order). The loops are unrolled
+// so that the accumulators stay in registers.
+template <int RT>
+void block_sums(const MatmulCodes& w, int64_t b, const uint8_t* tile, int32_t* sums) {
+  constexpr int V = kVectors, S = RT == 1 ? 2 : 1;
   Ints acc[S * RT][V];
-  #pragma GCC unroll 16
+#pragma GCC unroll 32
   for (int a = 0; a < S * RT; ++a)
-    #pragma GCC unroll 16
+#pragma GCC unroll 4
     for (int v = 0; v < V; ++v) acc[a][v] = zeros();
   const int64_t quads = w.K4 / 4, quad_bytes = MatmulCodes::width * 4;
-  const int8_t* codes = w.codes.const_data_ptr<int8_t>() + b * quads * quad_bytes + v0 * kIntLanes * 4;
+  const int8_t* codes = w.codes.const_data_ptr<int8_t>() + b * quads * quad_bytes;
   for (int64_t q = 0; q < quads; ++q) {
     const int8_t* at = codes + q * quad_bytes;
     const uint8_t* xq = tile + q * RT * 4;
     const int set = S == 1 ? 0 : static_cast<int>(q & 1) * RT;
     Ints wv[V];
-    #pragma GCC unroll 16
+#pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
       _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchQuads * quad_bytes + v * kIntLanes * 4), _MM_HINT_T0);
       wv[v] = load_ints(at + v * kIntLanes * 4);
     }
-    #pragma GCC unroll 16
+#pragma GCC unroll 32
     for (int r = 0; r < RT; ++r) {
       const Ints xb = broadcast(xq + r * 4);
-      #pragma GCC unroll 16
+#pragma GCC unroll 4
       for (int v = 0; v < V; ++v) acc[set + r][v] = dot_add(acc[set + r][v], xb, wv[v]);
     }
   }
-  #pragma GCC unroll 16
+#pragma GCC unroll 32
   for (int r = 0; r < RT; ++r) {
-    #pragma GCC unroll 16
+#pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
       const Ints total = S == 1 ? acc[r][v] : add(acc[r][v], acc[RT + r][v]);
-      store_ints(sums + r * MatmulCodes::width + (v0 + v) * kIntLanes, total);
+      store_ints(sums + r * MatmulCodes::width + v * kIntLanes, total);
     }
   }
 }
 
-// block_sums of a tile of RT rows (1 to kRowTile) over a whole block: up to 4 rows with all its vectors at once, more
-// in two halves (each half's codes are other cache lines of the same quads: still one read of each from memory), so
-// that a tile's accumulators stay in registers.
-template <int RT>
-void tile_sums(const MatmulCodes& w, int64_t b, const uint8_t* tile, int32_t* sums) {
-  if constexpr (RT <= 6) {
-    block_sums<RT, kVectors>(w, b, 0, tile, sums);
-  } else {
-    block_sums<RT, kVectors / 2>(w, b, 0, tile, sums);
-    block_sums<RT, kVectors / 2>(w, b, kVectors / 2, tile, sums);
-  }
+using BlockSums = void (*)(const MatmulCodes&, int64_t, const uint8_t*, int32_t*);
+
+template <int... RT>
+constexpr std::array<BlockSums, sizeof...(RT)> block_sums_by_rows(std::integer_sequence<int, RT...>) {
+  return {block_sums<RT + 1>...};
 }
 
-using TileSums = void (*)(const MatmulCodes&, int64_t, const uint8_t*, int32_t*);
-constexpr TileSums kTileSums[kRowTile] = {tile_sums<1>, tile_sums<2>, tile_sums<3>, tile_sums<4>,
-                                          tile_sums<5>, tile_sums<6>};
+// block_sums of a tile of rows + 1 rows, rows < kRowTile.
+constexpr auto kBlockSums = block_sums_by_rows(std::make_integer_sequence<int, kRowTile>());
 #endif
 
 // y (R, N) float32 = the w7a8 matmul of R rows of 8-bit codes: x (R, K4) u8, each code + 128 (fbgemm's zero point),
@@ -187,7 +185,7 @@ inline void integer_matmul(const MatmulCodes& w, const uint8_t* x, int64_t R, co
       const int64_t n0 = b * MatmulCodes::width, columns = std::min(MatmulCodes::width, w.N - n0);
       for (int64_t r0 = 0; r0 < R; r0 += kRowTile) {
         const int64_t rows = std::min(kRowTile, R - r0);
-        kTileSums[rows - 1](w, b, tiles.data() + r0 * w.K4, sums);
+        kBlockSums[rows - 1](w, b, tiles.data() + r0 * w.K4, sums);
         for (int64_t r = 0; r < rows; ++r) {
           float* __restrict out = y + (r0 + r) * w.N + n0;
           const int32_t* __restrict row_sums = sums + r * MatmulCodes::width;

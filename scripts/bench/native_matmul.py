@@ -1,0 +1,97 @@
+"""Native steps' weight matmuls: the operator's own integer dot products against fbgemm's w7a8 call, in whole passes.
+
+The demo model's layers are registered with the native operator twice (native_steps.register_layers), once with
+its codes laid out for the operator's integer matmul (what native steps run) and once without (every matmul through
+fbgemm's call, the same bits), and the same passes go through each, interleaved, in rounds: R rows of one call
+(a decoding step with drafts, causal) and R calls of one row each over caches of their own (a server's pass),
+after --context committed tokens a cache. Medians of the rounds' medians; ratios are fbgemm's time over the
+operator's.
+
+    python -m scripts.bench.native_matmul --rows 1 2 4 8 16 32
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from minilade import LLM
+from minilade.checkpoints import DEFAULT_CHECKPOINT
+from minilade.native_steps import NativeCall, NativeSteps, layers_pass, native_missing, register_layers
+
+from .common import JobParser, UsageError, describe_machine, environment, positive_int, progress, run_job
+
+MODULE = "scripts.bench.native_matmul"
+
+
+def passes(llm: LLM, rows: int, context: int) -> dict[str, Callable[[], list[NativeCall]]]:
+    """The two kinds of pass of `rows` rows, as functions making their calls: one call of `rows` rows, and `rows`
+    calls of one row over caches of their own (filled with `context` random tokens each)."""
+    model = llm.model
+    caches = []
+    for i in range(rows):
+        cache = model.new_cache(context + rows + 1)
+        model(torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(i)),
+              torch.arange(context)[None], cache)
+        cache.commit(context)
+        caches.append(cache)
+    first, plural = caches[0], "s" if rows > 1 else ""
+    return {
+        f"{rows} row{plural}, 1 call": lambda: [NativeCall(torch.arange(rows) + 5, torch.arange(rows) + first.length,
+                                                           first, None)],
+        f"{rows} call{plural} of 1 row": lambda: [NativeCall(torch.tensor([5]), torch.tensor([c.length]), c, None)
+                                                   for c in caches],
+    }
+
+
+def job(argv: list[str]) -> int:
+    p = JobParser(MODULE, __doc__)
+    p.add_argument("--ckpt", default=DEFAULT_CHECKPOINT)
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--context", type=positive_int, default=250)
+    p.add_argument("--rounds", type=positive_int, default=10)
+    p.add_argument("--reps", type=positive_int, default=6, help="passes a round, the first two not timed")
+    args = p.parse_args(argv)
+    llm = LLM.load(args.ckpt, progress=False, quantize="w7a8")
+    missing = native_missing(llm.model)
+    if missing:
+        raise UsageError(f"native steps do not run here: {missing}")
+    llm.model.step_runner = NativeSteps()  # what the load chose or not: its caches are the ones native passes read
+    keys = {"integer": register_layers(llm.model), "fbgemm": register_layers(llm.model, integer_matmul=False)}
+    print(describe_machine(environment()))
+    print(f"{llm.setup}; {torch.get_num_threads()} threads; {args.context} committed tokens a cache\n")
+    samples: dict[tuple[str, str], list[float]] = {}
+    with torch.inference_mode():
+        kinds = {name: calls for rows in args.rows for name, calls in passes(llm, rows, args.context).items()}
+        with progress(args.rounds, "rounds") as bar:
+            for _ in range(args.rounds):
+                for name, calls in kinds.items():
+                    for matmul, key in keys.items():
+                        times = []
+                        for _ in range(args.reps):
+                            made = calls()  # a call's rows go to the same slots every pass: its cache stays as it is
+                            start = time.perf_counter()
+                            layers_pass(llm.model, made, key)
+                            times.append(time.perf_counter() - start)
+                        samples.setdefault((name, matmul), []).append(statistics.median(times[2:]))
+                bar.update()
+    table = {name: {m: 1e3 * statistics.median(samples[(name, m)]) for m in keys} for name in kinds}
+    print("| pass | integer matmul, ms | fbgemm's call, ms | fbgemm / integer |")
+    print("| --- | --- | --- | --- |")
+    for name, ms in table.items():
+        print(f"| {name} | {ms['integer']:.2f} | {ms['fbgemm']:.2f} | x{ms['fbgemm'] / ms['integer']:.2f} |")
+    print(json.dumps({"setup": llm.setup, "context": args.context, "ms": table, **environment()}))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_job(job, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
