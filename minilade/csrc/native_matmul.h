@@ -5,14 +5,16 @@
 // call, and its kernel streamed a one-row step's weights at about 60% of the memory bandwidth a plain read reaches.
 // `integer_matmul` reads each code once a pass, every row of a tile using it while it is in a register, from a layout
 // in which a thread's share of a weight is one run of memory, asked for ahead of its reads; the rows of a tile
-// are handed to it interleaved so that one load brings a quad of inputs of all of them. On the demo model's layers
-// (2 threads, AVX-512 VNNI) it took x0.75-x0.95 of fbgemm's time at 1 to 256 rows (docs/benchmarks.md).
+// are handed to it interleaved so that one load brings a quad of inputs of all of them. Whole passes of the demo
+// model's layers (2 threads, AVX-512 VNNI) ran x1.06 faster than with fbgemm's call at one row, x1.2-1.3 from 8 rows
+// on (docs/benchmarks.md).
 //
 // The same bits as fbgemm's call, by construction: a row's sum of integer products is exact in any order (int32
 // lanes, no saturation: on AVX2 a pair of u8 x s8 products is at most 2 x 255 x 63 = 32130, under the 16-bit bound,
 // because the weight codes are 7-bit), and it becomes a float as fbgemm's requantization makes it one:
 // float(sum - 128 x column sum) x weight scale (x an activation scale of 1, exact), then x the row's own scale as
-// w7a8_linear applies it. tests/test_native_steps.py compares the two, bit for bit, at many row counts and shapes.
+// w7a8_linear applies it. tests/decoding/test_native_steps.py compares the two, bit for bit, at many row counts
+// and shapes.
 
 #pragma once
 
