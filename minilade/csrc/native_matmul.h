@@ -4,10 +4,10 @@
 // fbgemm's w7a8 call quantizes and packs its input, allocates buffers and runs a parallel region of its own at every
 // call, and its kernel streamed a one-row step's weights at about 60% of the memory bandwidth a plain read reaches.
 // `integer_matmul` reads each code once a pass, every row of a tile using it while it is in a register, from a layout
-// in which a thread's share of a weight is one run of memory, asked for ahead of its reads; the rows of a tile
-// are handed to it interleaved so that one load brings a quad of inputs of all of them. Whole passes of the demo
-// model's layers (2 threads, AVX-512 VNNI) ran x1.06 faster than with fbgemm's call at one row, x1.2-1.3 from 8 rows
-// on (docs/benchmarks.md).
+// in which a thread's share of a weight is one run of memory (asked for ahead of its reads by wide tiles); the rows of
+// a tile are handed to it interleaved so that one load brings a quad of inputs of all of them. Whole passes of the demo
+// model's layers (2 threads, AVX-512 VNNI) ran x0.95-x1.29 as fast as with fbgemm's call, more often faster the more
+// rows (docs/benchmarks.md).
 //
 // The same bits as fbgemm's call, by construction: a row's sum of integer products is exact in any order (int32
 // lanes, no saturation: on AVX2 a pair of u8 x s8 products is at most 2 x 255 x 63 = 32130, under the 16-bit bound,
@@ -74,7 +74,10 @@ constexpr int64_t kVectors = 2;  // int vectors in a column block: a block is kV
 // Rows that share each load of codes: kRowTile x kVectors accumulators in registers, with room for the codes and
 // a row's inputs (32 vector registers on AVX-512, 16 on AVX2).
 constexpr int64_t kRowTile = kIntLanes == 16 ? 12 : 4;
-constexpr int64_t kPrefetchQuads = 16;  // how far ahead of its reads a block's codes are asked for
+// How far ahead of its reads a tile of at least kPrefetchRows rows asks for a block's codes. A tile of fewer rows
+// reads them as fast as memory brings them, where the processor's own prefetching did as well or better alone (the
+// layers' matmuls alone, an ad-hoc in-process comparison: one row 6-16% faster without, tiles of 12 rows 6% slower).
+constexpr int64_t kPrefetchQuads = 16, kPrefetchRows = 8;
 
 // A w7a8 weight's codes (N outputs x K inputs) for integer_matmul: columns in blocks of kVectors x kIntLanes, each
 // block one run of memory over all of K (padded to a multiple of 4), holding for inputs 4q..4q+3 the four codes of
@@ -138,7 +141,9 @@ void block_sums(const MatmulCodes& w, int64_t b, const uint8_t* tile, int32_t* s
     Ints wv[V];
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) {
-      _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchQuads * quad_bytes + v * kIntLanes * 4), _MM_HINT_T0);
+      if constexpr (RT >= kPrefetchRows) {
+        _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchQuads * quad_bytes + v * kIntLanes * 4), _MM_HINT_T0);
+      }
       wv[v] = load_ints(at + v * kIntLanes * 4);
     }
 #pragma GCC unroll 32
