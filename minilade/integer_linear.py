@@ -179,13 +179,23 @@ class W7A8Linear(nn.Module):
         """Be found by w7a8_matmul under the storage of weight_scales (again whenever a copy or a move makes one), by
         its C++ body too where it runs (forgotten there when the layer goes). A copy with fake tensors (what a saved
         graph's guards unpickle, saved_graphs.SavedGraphs) has no storage to key."""
-        if isinstance(self.weight_scales, FakeTensor):
+        if isinstance(self.weight_scales, FakeTensor) or self.packed is None:
             return
         address = self.weight_scales.data_ptr()
         _LAYERS[address] = self
         if _BODY is None:
             torch.ops.minilade_native.w7a8_register(self.weight_scales, self.packed)
-            weakref.finalize(self, torch.ops.minilade_native.w7a8_forget, address, self.packed).atexit = False
+            self._forget = weakref.finalize(self, torch.ops.minilade_native.w7a8_forget, address, self.packed)
+            self._forget.atexit = False
+
+    def hand_over(self) -> None:
+        """Let go of the packed codes once native steps hold a copy of their own (native_steps.take_over): fbgemm's
+        packing is then freed, and the layer no longer runs by itself (it says so if called)."""
+        forget = getattr(self, "_forget", None)
+        if forget is not None:
+            forget()  # the C++ body's hold on the packed codes, now rather than when the layer goes
+        _LAYERS.pop(self.weight_scales.data_ptr(), None)
+        self.packed = None
 
     def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle
         super().__setstate__(state)
@@ -199,6 +209,9 @@ class W7A8Linear(nn.Module):
     quantized_as = "w7a8"  # part of the keys under which step costs and exactness verdicts are kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            raise RuntimeError("this w7a8 layer's codes were handed to native steps (native_steps.take_over): it runs "
+                               "only inside them")
         rows = x if x.dtype == torch.float32 else x.float()  # (..., K); the kernel takes any leading dims
         # In-place where possible: at one row these few small operations cost as much as the matmul itself.
         scale = rows.abs().amax(dim=-1, keepdim=True).clamp_min_(TINY).div_(ACTIVATION_LEVELS)
@@ -213,6 +226,8 @@ class W7A8Linear(nn.Module):
 
     def weight_codes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The packed weight read back: codes (N, K) int8 and scales (N,) float32."""
+        if self.packed is None:
+            raise RuntimeError("this w7a8 layer's codes were handed to native steps (native_steps.take_over)")
         qweight, _ = torch.ops.quantized.linear_unpack(self.packed)
         return qweight.int_repr(), qweight.q_per_channel_scales().float()
 

@@ -38,6 +38,7 @@ from .device import choose_dtype, choose_quantization, default_device, make_exac
 from .integer_linear import w7a8_missing
 from .kv_cache import KVCache
 from .model import Transformer
+from .native_steps import NativeSteps, take_over
 from .parallel import from_rank0, load_shard
 from .quant import check_options, linear_modules, map_rows, quantize_embedding, quantize_linears
 from .tokenizer import StreamDecoder, Tokenizer
@@ -202,6 +203,8 @@ class LLM:
         if exact and compile:
             from .compile_policy import choose_steps  # torch.compile's machinery, imported only when asked for
             steps = choose_steps(model, check_file, force=compile is True)
+            if isinstance(model.step_runner, NativeSteps):
+                take_over(model)  # fbgemm's packing of the layers' codes let go: native passes read their own copy
         llm = cls(model, tokenizer, name, tables=tables)
         quantized = quantized_layers(model)
         llm.setup = f"{str(model.dtype).removeprefix('torch.')}{f' ({quantized})' if quantized else ''}, {steps}" \

@@ -173,6 +173,20 @@ def register_layers(model: Transformer, integer_matmul: bool = True) -> int:
     return key
 
 
+def take_over(model: Transformer) -> None:
+    """Hand the model's layers to the operator for good (`registered`: their codes laid out for its matmul) and let
+    go of fbgemm's packing of them, which native passes do not read: one byte a weight less (106 MB for the demo
+    model). The layers' W7A8Linear modules then run only inside native steps (called by themselves, they say so).
+    Where the operator has no integer dot products to compute them with, fbgemm's packing stays: it is what it runs.
+    LLM.load does this once it chose native steps."""
+    registered(model)
+    if torch.ops.minilade_native_layer.has_integer_matmul():
+        for block in model.layers:
+            for linear in (block.attention.wqkv, block.attention.wo, block.feed_forward.w_gate_up,
+                           block.feed_forward.w_down):
+                linear.hand_over()
+
+
 def visible_slots(model: Transformer, call: NativeCall) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache slots each row of a call sees, ascending (int32, all rows' in one tensor), and how many a row
     (T,): the committed rows and the step rows its mask allows, cut by any sliding window

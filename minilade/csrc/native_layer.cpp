@@ -52,8 +52,8 @@ void rms_norm(const float* __restrict x, const float* __restrict weight, float e
   }
 }
 
-// A w7a8 weight: fbgemm's packed object, and its codes laid out for integer_matmul (native_matmul.h) where this build
-// has the instructions for it.
+// A w7a8 weight: its codes laid out for integer_matmul (native_matmul.h) where this build has the instructions for it,
+// else fbgemm's packed object (a registered layer holds one or the other).
 struct Linear {
   Packed packed;
   MatmulCodes codes;
@@ -133,7 +133,12 @@ void add_layer(int64_t model, const at::Tensor& attention_norm, const at::Tensor
                   attention_norm.is_contiguous() && ffn_norm.is_contiguous(), "native layer: float32 norms");
   TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "native layer: heads must group evenly");
   std::lock_guard<std::mutex> guard(models_lock);
-  auto linear = [&](const Packed& packed) { return integer_matmul ? linear_of(packed) : Linear{packed, {}}; };
+  auto linear = [&](const Packed& packed) {  // fbgemm's packing kept only where its call computes the matmul
+    if (!integer_matmul) return Linear{packed, {}};
+    Linear laid_out = linear_of(packed);
+    if (laid_out.codes.codes.defined()) laid_out.packed.reset();
+    return laid_out;
+  };
   models()[model].push_back({attention_norm, ffn_norm, static_cast<float>(eps), linear(wqkv), linear(wo),
                              linear(gate_up), linear(down), n_heads, n_kv_heads});
 }

@@ -57,11 +57,13 @@ def job(argv: list[str]) -> int:
     p.add_argument("--rounds", type=positive_int, default=10)
     p.add_argument("--reps", type=positive_int, default=6, help="passes a round, the first two not timed")
     args = p.parse_args(argv)
-    llm = LLM.load(args.ckpt, progress=False, quantize="w7a8")
+    # Not chosen by the load (which would let go of fbgemm's packing of the layers: native_steps.take_over), but
+    # installed here, so that both registrations can be made.
+    llm = LLM.load(args.ckpt, progress=False, quantize="w7a8", compile=False)
     missing = native_missing(llm.model)
     if missing:
         raise UsageError(f"native steps do not run here: {missing}")
-    llm.model.step_runner = NativeSteps()  # what the load chose or not: its caches are the ones native passes read
+    llm.model.step_runner = NativeSteps()  # its caches are the ones native passes read
     keys = {"integer": register_layers(llm.model), "fbgemm": register_layers(llm.model, integer_matmul=False)}
     print(describe_machine(environment()))
     print(f"{llm.setup}; {torch.get_num_threads()} threads; {args.context} committed tokens a cache\n")

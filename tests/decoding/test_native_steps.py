@@ -13,7 +13,7 @@ from minilade.device import check_invariance, make_exact
 from minilade.integer_linear import W7A8Linear
 from minilade.masks import interleaved_step
 from minilade.model import Transformer
-from minilade.native_steps import NativeCall, NativeSteps, layers_pass, native_missing
+from minilade.native_steps import NativeCall, NativeSteps, layers_pass, native_missing, take_over
 from minilade.quant import quantize_embedding, quantize_linears
 from tests.helpers import FLAT_COSTS, checked_runs, step_eagerly_and_by
 
@@ -65,6 +65,27 @@ def test_the_operators_matmul_gives_fbgemms_bits_at_every_row_count(outputs: int
         x[rows // 2] = 0.0
         ours, fbgemms = ops.linear(x, weight.packed, False), ops.linear(x, weight.packed, True)
         assert torch.equal(ours, fbgemms), (rows, (ours - fbgemms).abs().max().item())
+
+
+def test_taking_over_the_layers_lets_go_of_fbgemms_packing_and_keeps_the_bits() -> None:
+    """native_steps.take_over (what LLM.load does once it chose native steps) leaves the layers' W7A8Linear modules
+    without fbgemm's packed codes, the operator computing from its own copy: the same logits and cache rows as
+    before; the layers then refuse to run by themselves."""
+    model = native_model()
+    if not torch.ops.minilade_native_layer.has_integer_matmul():
+        pytest.skip("this processor has no integer dot products: fbgemm's packing is what the operator runs")
+    tokens, positions = torch.arange(3, 15)[None], torch.arange(12)[None]
+    with torch.inference_mode():
+        before, cache_before = model(tokens, positions, cache := model.new_cache(16)), cache
+        take_over(model)
+        after, cache_after = model(tokens, positions, cache := model.new_cache(16)), cache
+        assert torch.equal(before, after)
+        assert torch.equal(cache_before.k, cache_after.k) and torch.equal(cache_before.v, cache_after.v)
+        linears = [m for block in model.layers for m in block.modules() if isinstance(m, W7A8Linear)]
+        assert len(linears) == 4 * len(model.layers) and all(m.packed is None for m in linears)
+        model.step_runner = None
+        with pytest.raises(RuntimeError, match="handed to native steps"):
+            model(tokens, positions, model.new_cache(16))
 
 
 def test_greedy_lookahead_and_auto_equal_plain_decoding_through_native_steps() -> None:

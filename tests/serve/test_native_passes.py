@@ -21,6 +21,8 @@ def llm(tiny_ckpt, kept_tables) -> LLM:
     eager ones (on a model this small, many times faster)."""
     llm = LLM.load(tiny_ckpt, dtype="float32", quantize="w7a8", progress=False)
     assert isinstance(llm.model.step_runner, NativeSteps), llm.setup
+    if torch.ops.minilade_native_layer.has_integer_matmul():  # the load let go of fbgemm's packing of the layers
+        assert all(m.packed is None for block in llm.model.layers for m in block.modules() if hasattr(m, "packed"))
     return llm
 
 
