@@ -6,11 +6,11 @@ much again as the weight matmuls. `NativeSteps` runs the layers of a forward as 
 (csrc/native_layer.cpp) that holds the model's layer weights (`registered`): the norms, the rounding of activations
 to 8-bit codes, rotary, the cache writes, attention and SwiGLU are loops over each row's own numbers, and the weight
 matmuls are integer dot products over a copy of each weight's codes laid out for them (csrc/native_matmul.h: the
-bits of fbgemm's w7a8 call, the one W7A8Linear makes, and whole passes x0.95-1.3 as fast as through it; one more
-byte a weight held while the model's steps run natively). The operator takes the rows of several calls, each over
-its own cache (`layers_pass`): the server runs every call of a pass, its requests' steps and prompt parts, as one
-pass through it (serve/native_pass.py). Its caches keep keys and values in float16 (`NativeSteps.cache_dtype`): a
-pass over several requests' caches reads about as many bytes of them as of weights.
+bits of fbgemm's w7a8 call, the one W7A8Linear makes, and whole passes x0.95-1.3 as fast as through it; LLM.load
+then lets go of fbgemm's packing of the layers, `take_over`). The operator takes the rows of several calls, each
+over its own cache (`layers_pass`): the server runs every call of a pass, its requests' steps and prompt parts, as
+one pass through it (serve/native_pass.py). Its caches keep keys and values in float16 (`NativeSteps.cache_dtype`):
+a pass over several requests' caches reads about as many bytes of them as of weights.
 
 Exactness, by construction: a row's operations are the same code whatever the other rows are, with sums in an order
 the code fixes, not the row count; its attention visits the slots it sees in ascending order, which is the order
