@@ -127,8 +127,7 @@ std::mutex models_lock;
 
 void add_layer(int64_t model, const at::Tensor& attention_norm, const at::Tensor& ffn_norm, double eps,
                const Packed& wqkv, const Packed& wo, const Packed& gate_up, const Packed& down, int64_t n_heads,
-               int64_t n_kv_heads,
-               bool integer_matmul) {
+               int64_t n_kv_heads, bool integer_matmul) {
   TORCH_CHECK(attention_norm.scalar_type() == at::kFloat && ffn_norm.scalar_type() == at::kFloat &&
                   attention_norm.is_contiguous() && ffn_norm.is_contiguous(), "native layer: float32 norms");
   TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "native layer: heads must group evenly");

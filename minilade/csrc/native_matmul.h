@@ -83,7 +83,7 @@ constexpr int64_t kPrefetchQuads = 16, kPrefetchRows = 8;
 // block one run of memory over all of K (padded to a multiple of 4), holding for inputs 4q..4q+3 the four codes of
 // each of its columns in turn: column c of block b, inputs 4q..4q+3, at codes[((b x K4 / 4 + q) x width + c) x 4].
 struct MatmulCodes {
-  at::Tensor codes;        // int8, n_blocks x K4 x width (columns past N zero); undefined: not laid out here
+  at::Tensor codes;        // int8 (n_blocks, K4 / 4, width, 4), zero past K and N; undefined: not laid out here
   at::Tensor column_sums;  // (N,) int32: the sum of each output channel's codes
   at::Tensor scales;       // (N,) float32: each output channel's weight scale
   int64_t K = 0, K4 = 0, N = 0, n_blocks = 0;
@@ -170,7 +170,7 @@ constexpr std::array<BlockSums, sizeof...(RT)> block_sums_by_rows(std::integer_s
   return {block_sums<RT + 1>...};
 }
 
-// block_sums of a tile of rows + 1 rows, rows < kRowTile.
+// kBlockSums[rows - 1]: block_sums for a tile of `rows` rows, 1 to kRowTile.
 constexpr auto kBlockSums = block_sums_by_rows(std::make_integer_sequence<int, kRowTile>());
 #endif
 
