@@ -129,6 +129,9 @@ def python_body() -> torch.library.Library:
 
 
 _BODY: torch.library.Library | None = python_body()  # None once the C++ body replaced it
+# Each layer's forgetting by the C++ body, run when the layer goes or hands its codes over (W7A8Linear.hand_over):
+# kept here, not on the module, whose attributes a compiled graph's saved guards record.
+_FORGET: weakref.WeakKeyDictionary[nn.Module, weakref.finalize] = weakref.WeakKeyDictionary()
 
 
 def load_native_matmul() -> str | None:
@@ -185,13 +188,13 @@ class W7A8Linear(nn.Module):
         _LAYERS[address] = self
         if _BODY is None:
             torch.ops.minilade_native.w7a8_register(self.weight_scales, self.packed)
-            self._forget = weakref.finalize(self, torch.ops.minilade_native.w7a8_forget, address, self.packed)
-            self._forget.atexit = False
+            _FORGET[self] = weakref.finalize(self, torch.ops.minilade_native.w7a8_forget, address, self.packed)
+            _FORGET[self].atexit = False
 
     def hand_over(self) -> None:
         """Let go of the packed codes once native steps hold a copy of their own (native_steps.take_over): fbgemm's
         packing is then freed, and the layer no longer runs by itself (it says so if called)."""
-        forget = getattr(self, "_forget", None)
+        forget = _FORGET.pop(self, None)
         if forget is not None:
             forget()  # the C++ body's hold on the packed codes, now rather than when the layer goes
         _LAYERS.pop(self.weight_scales.data_ptr(), None)
@@ -209,15 +212,15 @@ class W7A8Linear(nn.Module):
     quantized_as = "w7a8"  # part of the keys under which step costs and exactness verdicts are kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            raise RuntimeError("this w7a8 layer's codes were handed to native steps (native_steps.take_over): it runs "
-                               "only inside them")
         rows = x if x.dtype == torch.float32 else x.float()  # (..., K); the kernel takes any leading dims
         # In-place where possible: at one row these few small operations cost as much as the matmul itself.
         scale = rows.abs().amax(dim=-1, keepdim=True).clamp_min_(TINY).div_(ACTIVATION_LEVELS)
         codes = rows.div(scale).round_()  # integers in [-127, 127], which the kernel takes as they are (scale 1)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # (a graph never reads self.packed: its guards would have to keep it)
             y = torch.ops.minilade.w7a8_matmul(codes, self.weight_scales) * scale
+        elif self.packed is None:
+            raise RuntimeError("this w7a8 layer's codes were handed to native steps (native_steps.take_over): it runs "
+                               "only inside them")
         else:
             y = self.kernel(codes, 1.0, ZERO_POINT, self.packed).mul_(scale)
         if self.bias is not None:
