@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import tempfile
 import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any, Iterator, Sequence, Union
 
 import torch
 from torch import nn
@@ -37,6 +36,7 @@ from .decoding.step_costs import quantized_layers
 from .device import choose_dtype, choose_quantization, default_device, make_exact, resolve_dtype
 from .integer_linear import w7a8_missing
 from .kv_cache import KVCache
+from .memory import peak_memory, returning_freed_memory
 from .model import Transformer
 from .native_steps import NativeSteps, take_over
 from .parallel import from_rank0, load_shard
@@ -60,30 +60,6 @@ class Generation:
         return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": len(self.prompt_ids),
                 "finish_reason": self.finish_reason, "stats": self.stats.as_dict(),
                 "peak_memory_mib": None if self.peak_memory is None else round(self.peak_memory / 2**20, 1)}
-
-
-def returning_freed_memory(load: Callable[..., LLM]) -> Callable[..., LLM]:
-    """`load`, then return_freed_memory(), once load's temporaries went with its frame."""
-    @functools.wraps(load)
-    def loaded(*args: Any, **kwargs: Any) -> LLM:
-        llm = load(*args, **kwargs)
-        return_freed_memory()
-        return llm
-    return loaded
-
-
-def return_freed_memory() -> None:
-    """Give the pages the C allocator holds free back to the system (glibc's malloc_trim). Loading frees a few hundred
-    MB of temporaries (float weights read before they were quantized, the packing threads' buffers), which glibc
-    otherwise keeps for later allocations: the demo model's process was 781 MB resident after loading, 545 MB with
-    them returned. Nothing where the C library is not glibc."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # another C library (musl): nothing to ask
-        return
 
 
 class LLM:
@@ -378,17 +354,6 @@ def has_int4_codes(checkpoint: Checkpoint) -> bool:
     """Whether a GGUF file keeps tensors in Q4_0/Q4_1 codes, which int4 layers in groups of 32 take as they are."""
     return checkpoint.format == "gguf" and any(t.tensor_type in INT4_TYPES
                                                for t in checkpoint.source.by_name.values())
-
-
-def peak_memory() -> int | None:
-    """The most memory this process has held resident so far, in bytes (the kernel's ru_maxrss: loading, the
-    caches and every generation included); None where the platform does not say (Windows)."""
-    try:
-        import resource
-    except ImportError:
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux KiB
 
 
 def tables_dir(tables: str | Path | bool | None) -> Path | None:

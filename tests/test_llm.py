@@ -220,31 +220,3 @@ def test_a_generation_reports_the_peak_memory(llm: LLM) -> None:
     out = llm.generate("the cat", max_new_tokens=2)
     assert out.peak_memory >= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 * 0.99 > 0
     assert out.as_dict()["peak_memory_mib"] == round(out.peak_memory / 2**20, 1)
-
-
-def test_returning_freed_memory_asks_glibc_and_is_harmless_without_it(monkeypatch) -> None:
-    """LLM.load ends by handing the allocator's free pages back (llm.return_freed_memory): through glibc's malloc_trim
-    where the C library has it, nothing (and no error) where it has not."""
-    import ctypes
-
-    from minilade import llm as llm_module
-
-    asked = []
-
-    class Glibc:
-        def malloc_trim(self, pad: int) -> int:
-            asked.append(pad)
-            return 1
-
-    monkeypatch.setattr(llm_module.sys, "platform", "linux")
-    monkeypatch.setattr(ctypes, "CDLL", lambda name: Glibc())
-    llm_module.return_freed_memory()
-    assert asked == [0]
-
-    def no_such_library(name: str):
-        raise OSError(f"{name}: cannot open shared object file")
-
-    monkeypatch.setattr(ctypes, "CDLL", no_such_library)
-    llm_module.return_freed_memory()  # returns quietly
-    monkeypatch.setattr(ctypes, "CDLL", lambda name: object())  # a C library without malloc_trim
-    llm_module.return_freed_memory()
