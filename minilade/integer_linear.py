@@ -130,7 +130,7 @@ def python_body() -> torch.library.Library:
 
 _BODY: torch.library.Library | None = python_body()  # None once the C++ body replaced it
 # Each layer's forgetting by the C++ body, run when the layer goes or hands its codes over (W7A8Linear.hand_over):
-# kept here, not on the module, whose attributes a compiled graph's saved guards record.
+# kept here, not on the module, so that copies of a module (deepcopy, pickle) do not carry it.
 _FORGET: weakref.WeakKeyDictionary[nn.Module, weakref.finalize] = weakref.WeakKeyDictionary()
 
 

@@ -8,8 +8,8 @@ from minilade import memory
 
 
 def test_returning_freed_memory_asks_glibc_and_is_harmless_without_it(monkeypatch) -> None:
-    """LLM.load ends by handing the allocator's free pages back (memory.return_freed_memory): through glibc's malloc_trim
-    where the C library has it, nothing (and no error) where it has not."""
+    """LLM.load ends by handing the allocator's free pages back (memory.return_freed_memory): through glibc's
+    malloc_trim where the C library has it, nothing (and no error) where it has not."""
     asked = []
 
     class Glibc:
