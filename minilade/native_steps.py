@@ -96,7 +96,8 @@ def load() -> str | None:
 
 class NativeSteps:
     """A model's step_runner (Transformer.forward hands it every forward, the prefill included): the layers as one
-    native pass (layers_pass); the embedding, final norm and output head as the eager step runs them."""
+    native pass (layers_pass), then the final norm and output head over the rows whose logits it wants (`logits`);
+    the embedding as the eager step looks it up."""
 
     # In the keys under which step costs and exactness verdicts are kept: they hold for these sources only.
     name = f"native {hashlib.sha256(b''.join(f.read_bytes() for f in [SOURCE, *HEADERS])).hexdigest()[:12]}"
@@ -122,9 +123,21 @@ class NativeSteps:
                                                     cache.length + a)])
                      for a in range(0, tokens.shape[1], part)]
             x = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if logits_rows is not None:
-            x = x[logits_rows]
-        return model.output(model.norm(x[None]))
+        return logits(model, x if logits_rows is None else x[logits_rows])
+
+
+def logits(model: Transformer, x: torch.Tensor) -> torch.Tensor:
+    """The final norm and output head over rows of the last layer's output, x (R, dim): logits (1, R, V). By the
+    operator where it holds the model's head (a w7a8 head without bias: `native_head`), else as the eager step."""
+    if native_head(model):
+        return torch.ops.minilade_native_layer.head(registered(model), x)[None]
+    return model.output(model.norm(x[None]))
+
+
+def native_head(model: Transformer) -> bool:
+    """Whether the operator computes the model's final norm and output head (register_layers): where the head is
+    w7a8 without bias, as the layers' weights are."""
+    return isinstance(model.output, W7A8Linear) and model.output.bias is None
 
 
 def layers_pass(model: Transformer, calls: list[NativeCall], registration: int | None = None) -> torch.Tensor:
@@ -169,6 +182,9 @@ def register_layers(model: Transformer, integer_matmul: bool = True) -> int:
                       block.ffn_norm.weight.detach().contiguous(), block.attention_norm.eps,
                       attention.wqkv.packed, attention.wo.packed, ffn.w_gate_up.packed, ffn.w_down.packed,
                       config.n_heads, config.n_kv_heads, integer_matmul)
+    if native_head(model):
+        ops.add_head(key, model.norm.weight.detach().contiguous(), model.norm.eps, model.output.packed,
+                     integer_matmul)
     weakref.finalize(model, ops.forget_model, key).atexit = False
     return key
 
@@ -185,6 +201,8 @@ def take_over(model: Transformer) -> None:
             for linear in (block.attention.wqkv, block.attention.wo, block.feed_forward.w_gate_up,
                            block.feed_forward.w_down):
                 linear.hand_over()
+        if native_head(model):
+            model.output.hand_over()
 
 
 def visible_slots(model: Transformer, call: NativeCall) -> tuple[torch.Tensor, torch.Tensor]:

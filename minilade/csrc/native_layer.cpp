@@ -1,6 +1,6 @@
 // minilade_native_layer::layers: every transformer layer of a forward pass (decoding steps and prompts) over w7a8
-// weights, in C++ (native_steps.py). A model's layers are registered once (add_layer, under a key; forget_model
-// when it goes).
+// weights, in C++ (native_steps.py); ::head: the final norm and output head over the rows whose logits a pass wants.
+// A model's weights are registered once (add_layer, add_head, under a key; forget_model when it goes).
 //
 // x (R, dim) float32 holds the rows of one or more calls, each over its own KV cache: call c owns rows
 // [start_c, start_c + T_c), writes their keys and values into its cache at slots [past_c, past_c + T_c), and each
@@ -119,32 +119,61 @@ struct LayerWeights {
   int64_t n_heads, n_kv_heads;
 };
 
+// A model's final norm and output head, registered once (add_head) beside its layers.
+struct HeadWeights {
+  at::Tensor norm;  // (dim,) float32
+  float eps;
+  Linear weight;    // (vocab, dim)
+};
+
 std::unordered_map<int64_t, std::vector<LayerWeights>>& models() {
   static std::unordered_map<int64_t, std::vector<LayerWeights>> by_key;
   return by_key;
 }
+std::unordered_map<int64_t, HeadWeights>& heads() {
+  static std::unordered_map<int64_t, HeadWeights> by_key;
+  return by_key;
+}
 std::mutex models_lock;
+
+// A weight as a registered model keeps it: its codes laid out for integer_matmul, fbgemm's packing kept only where
+// its call computes the matmul (this build has no integer dot products, or integer_matmul is false).
+Linear registered_linear(const Packed& packed, bool integer_matmul) {
+  if (!integer_matmul) return Linear{packed, {}};
+  Linear laid_out = linear_of(packed);
+  if (laid_out.codes.codes.defined()) laid_out.packed.reset();
+  return laid_out;
+}
+
+void check_norm(const at::Tensor& norm) {
+  TORCH_CHECK(norm.scalar_type() == at::kFloat && norm.dim() == 1 && norm.is_contiguous(),
+              "native layer: norms must be (dim,) float32, contiguous");
+}
 
 void add_layer(int64_t model, const at::Tensor& attention_norm, const at::Tensor& ffn_norm, double eps,
                const Packed& wqkv, const Packed& wo, const Packed& gate_up, const Packed& down, int64_t n_heads,
                int64_t n_kv_heads, bool integer_matmul) {
-  TORCH_CHECK(attention_norm.scalar_type() == at::kFloat && ffn_norm.scalar_type() == at::kFloat &&
-                  attention_norm.is_contiguous() && ffn_norm.is_contiguous(), "native layer: float32 norms");
+  check_norm(attention_norm);
+  check_norm(ffn_norm);
   TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "native layer: heads must group evenly");
+  auto linear = [&](const Packed& packed) { return registered_linear(packed, integer_matmul); };
+  LayerWeights weights{attention_norm, ffn_norm, static_cast<float>(eps), linear(wqkv), linear(wo), linear(gate_up),
+                       linear(down), n_heads, n_kv_heads};
   std::lock_guard<std::mutex> guard(models_lock);
-  auto linear = [&](const Packed& packed) {  // fbgemm's packing kept only where its call computes the matmul
-    if (!integer_matmul) return Linear{packed, {}};
-    Linear laid_out = linear_of(packed);
-    if (laid_out.codes.codes.defined()) laid_out.packed.reset();
-    return laid_out;
-  };
-  models()[model].push_back({attention_norm, ffn_norm, static_cast<float>(eps), linear(wqkv), linear(wo),
-                             linear(gate_up), linear(down), n_heads, n_kv_heads});
+  models()[model].push_back(std::move(weights));
+}
+
+void add_head(int64_t model, const at::Tensor& norm, double eps, const Packed& weight, bool integer_matmul) {
+  check_norm(norm);
+  HeadWeights head{norm, static_cast<float>(eps), registered_linear(weight, integer_matmul)};
+  std::lock_guard<std::mutex> guard(models_lock);
+  heads().insert_or_assign(model, std::move(head));
 }
 
 void forget_model(int64_t model) {
   std::lock_guard<std::mutex> guard(models_lock);
   models().erase(model);
+  heads().erase(model);
 }
 
 at::Tensor layer(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, const LayerWeights& weights,
@@ -247,6 +276,25 @@ at::Tensor layers(int64_t model, const at::Tensor& x, const at::Tensor& cos, con
   return out;
 }
 
+// The logits of rows of the last layer's output, x (R, dim) -> (R, vocab): the final norm, then the output head, as
+// the layers compute theirs (each row's own operations, the head's bits at every row count).
+at::Tensor head(int64_t model, const at::Tensor& x_in) {
+  const HeadWeights* weights;
+  {
+    std::lock_guard<std::mutex> guard(models_lock);
+    auto found = heads().find(model);
+    TORCH_CHECK(found != heads().end(), "native layer: no head registered under ", model);
+    weights = &found->second;  // erased only by forget_model, once the model is gone
+  }
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) == weights->norm.size(0),
+              "native layer: x must be (rows, dim) float32");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor normed = at::empty_like(x);
+  rms_norm(x.const_data_ptr<float>(), weights->norm.const_data_ptr<float>(), weights->eps, x.size(0), x.size(1),
+           normed.mutable_data_ptr<float>());
+  return w7a8_linear(normed, weights->weight);
+}
+
 // One w7a8 matmul as a pass computes it, or through fbgemm's call (for tests: the two give the same bits).
 at::Tensor linear(const at::Tensor& x, const Packed& weight, bool by_fbgemm) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "native layer: x must be (rows, K) float32");
@@ -264,6 +312,11 @@ TORCH_LIBRARY(minilade_native_layer, m) {
       "__torch__.torch.classes.quantized.LinearPackedParamsBase down, int n_heads, int n_kv_heads, "
       "bool integer_matmul=True) -> ()",
       add_layer);
+  m.def(
+      "add_head(int model, Tensor norm, float eps, __torch__.torch.classes.quantized.LinearPackedParamsBase weight, "
+      "bool integer_matmul=True) -> ()",
+      add_head);
+  m.def("head(int model, Tensor x) -> Tensor", head);
   m.def("forget_model(int model) -> ()", forget_model);
   m.def(
       "layers(int model, Tensor x, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, int[] call_rows, "

@@ -4,7 +4,7 @@ Where the model's steps are native layers (native_steps.py), one pass of `native
 any number of calls of any widths, each over its own cache and mask: the weight matmuls read the weights once for
 all rows, and each row's other operations, attention included, are its own. `NativePasses` runs all the decoding
 calls of an engine pass that way (the prompts' parts still share one eager pass, batched.py), then the final norm
-and the output head over every call's logits rows at once.
+and the output head over every call's logits rows at once (`native_steps.logits`).
 
 A call's rows get what its step alone gives them: the operator computes a row the same way whatever else the pass
 holds, and the head and norm are row-count invariant (the load-time check). `NativePasses.checked` still runs a pass
@@ -19,7 +19,7 @@ import torch
 
 from ..kv_cache import KVCache
 from ..model import Transformer
-from ..native_steps import NativeCall, NativeSteps, layers_pass
+from ..native_steps import NativeCall, NativeSteps, layers_pass, logits
 from .batched import ForwardCall
 from .compiled_pass import PROBE_ROOM, calls_over, same_as_alone
 from .planner import rows_together
@@ -60,8 +60,7 @@ class NativePasses:
             picked.append(x[start:start + T][rows])
             counts.append(picked[-1].shape[0])
             start += T
-        logits = model.output(model.norm(torch.cat(picked)[None]))
-        return list(logits.split(counts, dim=1))
+        return list(logits(model, torch.cat(picked)).split(counts, dim=1))
 
     # planner.PassCost: one step of every row the pass's generations feed (native steps run prompt parts too)
     pass_cost = staticmethod(rows_together)

@@ -67,10 +67,27 @@ def test_the_operators_matmul_gives_fbgemms_bits_at_every_row_count(outputs: int
         assert torch.equal(ours, fbgemms), (rows, (ours - fbgemms).abs().max().item())
 
 
+def test_the_operators_head_is_the_models_norm_and_head_with_the_same_bits_at_every_row_count() -> None:
+    """The operator's final norm and output head (native_steps.logits, the logits of every native step): a row's
+    logits the same alone and among 13 others, whether the head's matmul is the operator's own or fbgemm's call,
+    and the eager norm and head's function (the two round differently in the last bit; see below)."""
+    model = native_model()
+    ops = torch.ops.minilade_native_layer
+    ours, fbgemms = native_steps.register_layers(model), native_steps.register_layers(model, integer_matmul=False)
+    x = torch.randn(14, model.config.dim, generator=torch.Generator().manual_seed(5))
+    logits = ops.head(ours, x)
+    assert logits.shape == (14, model.config.vocab_size)
+    assert torch.equal(logits, torch.cat([ops.head(ours, row[None]) for row in x]))
+    assert torch.equal(logits, ops.head(fbgemms, x))
+    assert torch.equal(native_steps.logits(model, x), logits[None])
+    with torch.inference_mode():
+        assert relative_error(model.output(model.norm(x[None]))[0], logits) < 5e-2
+
+
 def test_taking_over_the_layers_lets_go_of_fbgemms_packing_and_keeps_the_bits() -> None:
-    """native_steps.take_over (what LLM.load does once it chose native steps) leaves the layers' W7A8Linear modules
-    without fbgemm's packed codes, the operator computing from its own copy: the same logits and cache rows as
-    before; the layers then refuse to run by themselves."""
+    """native_steps.take_over (what LLM.load does once it chose native steps) leaves the layers' and the head's
+    W7A8Linear modules without fbgemm's packed codes, the operator computing from its own copy: the same logits and
+    cache rows as before; the layers then refuse to run by themselves."""
     model = native_model()
     if not torch.ops.minilade_native_layer.has_integer_matmul():
         pytest.skip("this processor has no integer dot products: fbgemm's packing is what the operator runs")
@@ -81,8 +98,8 @@ def test_taking_over_the_layers_lets_go_of_fbgemms_packing_and_keeps_the_bits() 
         after, cache_after = model(tokens, positions, cache := model.new_cache(16)), cache
         assert torch.equal(before, after)
         assert torch.equal(cache_before.k, cache_after.k) and torch.equal(cache_before.v, cache_after.v)
-        linears = [m for block in model.layers for m in block.modules() if isinstance(m, W7A8Linear)]
-        assert len(linears) == 4 * len(model.layers) and all(m.packed is None for m in linears)
+        linears = [m for m in model.modules() if isinstance(m, W7A8Linear)]
+        assert len(linears) == 4 * len(model.layers) + 1 and all(m.packed is None for m in linears)  # + the head
         model.step_runner = None
         with pytest.raises(RuntimeError, match="handed to native steps"):
             model(tokens, positions, model.new_cache(16))
