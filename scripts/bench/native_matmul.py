@@ -1,11 +1,11 @@
 """Native steps' weight matmuls: the operator's own integer dot products against fbgemm's w7a8 call, in whole passes.
 
-The demo model's layers are registered with the native operator twice (native_steps.register_layers), once with
-its codes laid out for the operator's integer matmul (what native steps run) and once without (every matmul through
-fbgemm's call, the same bits), and the same passes go through each, interleaved, in rounds: R rows of one call
-(a decoding step with drafts, causal) and R calls of one row each over caches of their own (a server's pass),
-after --context committed tokens a cache. Medians of the rounds' medians; ratios are fbgemm's time over the
-operator's.
+The demo model's layers and output head are registered with the native operator twice
+(native_steps.register_layers), once with its codes laid out for the operator's integer matmul (what native steps
+run) and once without (every matmul through fbgemm's call, the same bits), and the same work goes through each,
+interleaved, in rounds: the layers over R rows of one call (a decoding step with drafts, causal) and over R calls of
+one row each over caches of their own (a server's pass), after --context committed tokens a cache; and the final
+norm and output head over R rows. Medians of the rounds' medians; ratios are fbgemm's time over the operator's.
 
     python -m scripts.bench.native_matmul --rows 1 2 4 8 16 32
 """
@@ -29,9 +29,10 @@ from .common import JobParser, UsageError, describe_machine, environment, positi
 MODULE = "scripts.bench.native_matmul"
 
 
-def passes(llm: LLM, rows: int, context: int) -> dict[str, Callable[[], list[NativeCall]]]:
-    """The two kinds of pass of `rows` rows, as functions making their calls: one call of `rows` rows, and `rows`
-    calls of one row over caches of their own (filled with `context` random tokens each)."""
+def passes(llm: LLM, rows: int, context: int) -> dict[str, Callable[[], Callable[[int], object]]]:
+    """The three kinds of work of `rows` rows, each as a function that makes its inputs and returns what runs them
+    under a registration's key: the layers over one call of `rows` rows, and over `rows` calls of one row with caches
+    of their own (filled with `context` random tokens each); the final norm and output head over `rows` rows."""
     model = llm.model
     caches = []
     for i in range(rows):
@@ -41,11 +42,20 @@ def passes(llm: LLM, rows: int, context: int) -> dict[str, Callable[[], list[Nat
         cache.commit(context)
         caches.append(cache)
     first, plural = caches[0], "s" if rows > 1 else ""
+    x = torch.randn(rows, model.config.dim, generator=torch.Generator().manual_seed(rows))
+
+    def layers(calls: Callable[[], list[NativeCall]]) -> Callable[[], Callable[[int], object]]:
+        def make() -> Callable[[int], object]:
+            made = calls()  # a call's rows go to the same slots every pass: its cache stays as it is
+            return lambda key: layers_pass(model, made, key)
+        return make
+
     return {
-        f"{rows} row{plural}, 1 call": lambda: [NativeCall(torch.arange(rows) + 5, torch.arange(rows) + first.length,
-                                                           first, None)],
-        f"{rows} call{plural} of 1 row": lambda: [NativeCall(torch.tensor([5]), torch.tensor([c.length]), c, None)
-                                                   for c in caches],
+        f"{rows} row{plural}, 1 call": layers(lambda: [NativeCall(torch.arange(rows) + 5,
+                                                                  torch.arange(rows) + first.length, first, None)]),
+        f"{rows} call{plural} of 1 row": layers(lambda: [NativeCall(torch.tensor([5]), torch.tensor([c.length]), c,
+                                                                    None) for c in caches]),
+        f"head, {rows} row{plural}": lambda: lambda key: torch.ops.minilade_native_layer.head(key, x),
     }
 
 
@@ -57,8 +67,8 @@ def job(argv: list[str]) -> int:
     p.add_argument("--rounds", type=positive_int, default=10)
     p.add_argument("--reps", type=positive_int, default=6, help="passes a round, the first two not timed")
     args = p.parse_args(argv)
-    # Not chosen by the load (which would let go of fbgemm's packing of the layers: native_steps.take_over), but
-    # installed here, so that both registrations can be made.
+    # Not chosen by the load (which would let go of fbgemm's packing of the layers and head: native_steps.take_over),
+    # but installed here, so that both registrations can be made.
     llm = LLM.load(args.ckpt, progress=False, quantize="w7a8", compile=False)
     missing = native_missing(llm.model)
     if missing:
@@ -69,21 +79,21 @@ def job(argv: list[str]) -> int:
     print(f"{llm.setup}; {torch.get_num_threads()} threads; {args.context} committed tokens a cache\n")
     samples: dict[tuple[str, str], list[float]] = {}
     with torch.inference_mode():
-        kinds = {name: calls for rows in args.rows for name, calls in passes(llm, rows, args.context).items()}
+        kinds = {name: make for rows in args.rows for name, make in passes(llm, rows, args.context).items()}
         with progress(args.rounds, "rounds") as bar:
             for _ in range(args.rounds):
-                for name, calls in kinds.items():
+                for name, make in kinds.items():
                     for matmul, key in keys.items():
                         times = []
                         for _ in range(args.reps):
-                            made = calls()  # a call's rows go to the same slots every pass: its cache stays as it is
+                            run = make()
                             start = time.perf_counter()
-                            layers_pass(llm.model, made, key)
+                            run(key)
                             times.append(time.perf_counter() - start)
                         samples.setdefault((name, matmul), []).append(statistics.median(times[2:]))
                 bar.update()
     table = {name: {m: 1e3 * statistics.median(samples[(name, m)]) for m in keys} for name in kinds}
-    print("| pass | integer matmul, ms | fbgemm's call, ms | fbgemm / integer |")
+    print("| work | integer matmul, ms | fbgemm's call, ms | fbgemm / integer |")
     print("| --- | --- | --- | --- |")
     for name, ms in table.items():
         print(f"| {name} | {ms['integer']:.2f} | {ms['fbgemm']:.2f} | x{ms['fbgemm'] / ms['integer']:.2f} |")
