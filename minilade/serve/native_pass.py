@@ -1,14 +1,15 @@
-"""The decoding steps of several generations as one native pass, each call with the bits of its own step.
+"""The calls of several generations as one native pass, each call with the bits of its own step.
 
 Where the model's steps are native layers (native_steps.py), one pass of `native_steps.layers_pass` takes the rows of
 any number of calls of any widths, each over its own cache and mask: the weight matmuls read the weights once for
-all rows, and each row's other operations, attention included, are its own. `NativePasses` runs all the decoding
-calls of an engine pass that way (the prompts' parts still share one eager pass, batched.py), then the final norm
-and the output head over every call's logits rows at once (`native_steps.logits`).
+all rows, and each row's other operations, attention included, are its own. `NativePasses` runs every call of an
+engine pass that way, the parts of prompts being read included (native steps run prefills too, so a prompt part is
+a native call like a decoding step), then the final norm and the output head over every call's logits rows at once
+(`native_steps.logits`).
 
 A call's rows get what its step alone gives them: the operator computes a row the same way whatever else the pass
-holds, and the head and norm are row-count invariant (the load-time check). `NativePasses.checked` still runs a pass
-of three probe calls of unequal widths against each call alone, bit for bit, before the engine uses it.
+holds, its final norm and head included. `NativePasses.checked` still runs a pass of three probe calls of unequal
+widths against each call alone, bit for bit, before the engine uses it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .planner import rows_together
 
 
 class NativePasses:
-    """Runs the decoding calls of a pass as one native pass (module docstring), for a model whose steps are native.
+    """Runs the calls of a pass as one native pass (module docstring), for a model whose steps are native.
     It has the engine's interface to shared passes (compiled_pass.SharedPasses has the same)."""
 
     @classmethod
@@ -50,7 +51,7 @@ class NativePasses:
         return passes
 
     def __call__(self, model: Transformer, calls: list[ForwardCall]) -> list[torch.Tensor]:
-        """Logits of each decoding call, (1, R_i, V), from one native pass over all their rows; each call's keys and
+        """Logits of each call, (1, R_i, V), from one native pass over all their rows; each call's keys and
         values written into its cache at [length, length + T_i)."""
         x = layers_pass(model, [NativeCall(c.tokens[0], c.input_pos.reshape(-1), c.cache, c.mask) for c in calls])
         picked, counts, start = [], [], 0
@@ -67,7 +68,7 @@ class NativePasses:
 
     @staticmethod
     def groups(rows: list[int]) -> list[list[int]]:
-        """Indices of the decoding calls of `rows` rows each, in the passes that run them: all in one."""
+        """Indices of the calls of `rows` rows each, in the passes that run them: all in one."""
         return [list(range(len(rows)))] if rows else []
 
     def release(self, cache: KVCache) -> None:
