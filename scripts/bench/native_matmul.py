@@ -5,7 +5,9 @@ The demo model's layers and output head are registered with the native operator 
 run) and once without (every matmul through fbgemm's call, the same bits), and the same work goes through each,
 interleaved, in rounds: the layers over R rows of one call (a decoding step with drafts, causal) and over R calls of
 one row each over caches of their own (a server's pass), after --context committed tokens a cache; and the final
-norm and output head over R rows. Medians of the rounds' medians; ratios are fbgemm's time over the operator's.
+norm and output head over R rows, also eagerly (the model's RMSNorm and W7A8Linear modules: what native steps ran
+before the operator took the head too). Medians of the rounds' medians; ratios are the other way's time over the
+operator's integer matmul's.
 
     python -m scripts.bench.native_matmul --rows 1 2 4 8 16 32
 """
@@ -29,10 +31,11 @@ from .common import JobParser, UsageError, describe_machine, environment, positi
 MODULE = "scripts.bench.native_matmul"
 
 
-def passes(llm: LLM, rows: int, context: int) -> dict[str, Callable[[], Callable[[int], object]]]:
+def passes(llm: LLM, rows: int, context: int) -> dict[str, Callable[[], Callable[[int | None], object]]]:
     """The three kinds of work of `rows` rows, each as a function that makes its inputs and returns what runs them
     under a registration's key: the layers over one call of `rows` rows, and over `rows` calls of one row with caches
-    of their own (filled with `context` random tokens each); the final norm and output head over `rows` rows."""
+    of their own (filled with `context` random tokens each); the final norm and output head over `rows` rows (key
+    None: by the model's modules, eagerly)."""
     model = llm.model
     caches = []
     for i in range(rows):
@@ -55,7 +58,8 @@ def passes(llm: LLM, rows: int, context: int) -> dict[str, Callable[[], Callable
                                                                   torch.arange(rows) + first.length, first, None)]),
         f"{rows} call{plural} of 1 row": layers(lambda: [NativeCall(torch.tensor([5]), torch.tensor([c.length]), c,
                                                                     None) for c in caches]),
-        f"head, {rows} row{plural}": lambda: lambda key: torch.ops.minilade_native_layer.head(key, x),
+        f"head, {rows} row{plural}": lambda: lambda key: (model.output(model.norm(x[None])) if key is None else
+                                                          torch.ops.minilade_native_layer.head(key, x)),
     }
 
 
@@ -83,7 +87,7 @@ def job(argv: list[str]) -> int:
         with progress(args.rounds, "rounds") as bar:
             for _ in range(args.rounds):
                 for name, make in kinds.items():
-                    for matmul, key in keys.items():
+                    for matmul, key in [*keys.items(), *([("eager", None)] if name.startswith("head") else [])]:
                         times = []
                         for _ in range(args.reps):
                             run = make()
@@ -92,11 +96,13 @@ def job(argv: list[str]) -> int:
                             times.append(time.perf_counter() - start)
                         samples.setdefault((name, matmul), []).append(statistics.median(times[2:]))
                 bar.update()
-    table = {name: {m: 1e3 * statistics.median(samples[(name, m)]) for m in keys} for name in kinds}
-    print("| work | integer matmul, ms | fbgemm's call, ms | fbgemm / integer |")
-    print("| --- | --- | --- | --- |")
+    table = {name: {m: 1e3 * statistics.median(times) for (n, m), times in samples.items() if n == name}
+             for name in kinds}
+    print("| work | integer matmul, ms | fbgemm's call, ms | fbgemm / integer | eager, ms | eager / integer |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, ms in table.items():
-        print(f"| {name} | {ms['integer']:.2f} | {ms['fbgemm']:.2f} | x{ms['fbgemm'] / ms['integer']:.2f} |")
+        eager = f"{ms['eager']:.2f} | x{ms['eager'] / ms['integer']:.2f}" if "eager" in ms else " | "
+        print(f"| {name} | {ms['integer']:.2f} | {ms['fbgemm']:.2f} | x{ms['fbgemm'] / ms['integer']:.2f} | {eager} |")
     print(json.dumps({"setup": llm.setup, "context": args.context, "ms": table, **environment()}))
     return 0
 

@@ -23,3 +23,4 @@ def test_the_bench_times_both_kinds_of_pass_and_the_head_with_both_matmuls(tiny_
     assert record["context"] == 8 and "cpu_flags" in record and list(record["ms"]) == passes
     for name, ms in record["ms"].items():
         assert ms["integer"] > 0 and ms["fbgemm"] > 0, name
+        assert (ms.get("eager", 0) > 0) == name.startswith("head"), name  # the head eagerly too
