@@ -5,9 +5,8 @@ The demo model's layers and output head are registered with the native operator 
 run) and once without (every matmul through fbgemm's call, the same bits), and the same work goes through each,
 interleaved, in rounds: the layers over R rows of one call (a decoding step with drafts, causal) and over R calls of
 one row each over caches of their own (a server's pass), after --context committed tokens a cache; and the final
-norm and output head over R rows, also eagerly (the model's RMSNorm and W7A8Linear modules: what native steps ran
-before the operator took the head too). Medians of the rounds' medians; ratios are the other way's time over the
-operator's integer matmul's.
+norm and output head over R rows, also eagerly (the model's RMSNorm and W7A8Linear modules, as eager steps run
+them). Medians of the rounds' medians; ratios are the other way's time over the operator's integer matmul's.
 
     python -m scripts.bench.native_matmul --rows 1 2 4 8 16 32
 """
