@@ -92,21 +92,40 @@ struct MatmulCodes {
 
 // The codes of a packed w7a8 weight laid out for integer_matmul (unpacked from fbgemm's packing), or an empty
 // MatmulCodes where this build has no integer dot products to read them with (fbgemm's call then serves every pass).
+// Each block is written in one sweep from the unpacked codes, its columns' sums with it: no other copy of the
+// weight is made (an output head's is tens of MB).
 inline MatmulCodes matmul_codes(const c10::intrusive_ptr<LinearPackedParamsBase>& weight) {
   MatmulCodes laid_out;
   if (!kHasDotProducts) return laid_out;
-  const at::Tensor quantized = std::get<0>(weight->unpack());
+  const at::Tensor quantized = std::get<0>(weight->unpack()).contiguous();  // (N, K) qint8
   TORCH_CHECK(quantized.qscheme() == c10::kPerChannelAffine &&
                   quantized.q_per_channel_zero_points().eq(0).all().item<bool>(),
               "native layer: w7a8 weights are symmetric, per output channel");
-  const at::Tensor codes = quantized.int_repr().contiguous();  // (N, K) int8
-  const int64_t N = codes.size(0), K = codes.size(1), K4 = (K + 3) / 4 * 4, width = MatmulCodes::width;
-  const int64_t n_blocks = (N + width - 1) / width;
-  at::Tensor padded = at::zeros({n_blocks * width, K4}, codes.options());
-  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(codes);
-  // (blocks, width, K4 / 4, 4) -> (blocks, K4 / 4, width, 4)
-  laid_out.codes = padded.view({n_blocks, width, K4 / 4, 4}).permute({0, 2, 1, 3}).contiguous();
-  laid_out.column_sums = codes.sum(1, /*keepdim=*/false, at::kInt);
+  const int8_t* codes = reinterpret_cast<const int8_t*>(quantized.const_data_ptr<c10::qint8>());
+  const int64_t N = quantized.size(0), K = quantized.size(1), K4 = (K + 3) / 4 * 4, width = MatmulCodes::width;
+  const int64_t n_blocks = (N + width - 1) / width, quads = K4 / 4;
+  laid_out.codes = at::empty({n_blocks, quads, width, 4}, at::kChar);
+  laid_out.column_sums = at::empty({N}, at::kInt);
+  int8_t* out = laid_out.codes.mutable_data_ptr<int8_t>();
+  int32_t* column_sums = laid_out.column_sums.mutable_data_ptr<int32_t>();
+  at::parallel_for(0, n_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      int32_t sums[width] = {};
+      int8_t* block = out + b * quads * width * 4;
+      for (int64_t q = 0; q < quads; ++q) {
+        for (int64_t c = 0; c < width; ++c) {
+          const int64_t n = b * width + c;
+          for (int64_t j = 0; j < 4; ++j) {
+            const int64_t k = 4 * q + j;
+            const int8_t code = n < N && k < K ? codes[n * K + k] : 0;  // zero past N and K
+            block[(q * width + c) * 4 + j] = code;
+            sums[c] += code;
+          }
+        }
+      }
+      for (int64_t c = 0; c < width && b * width + c < N; ++c) column_sums[b * width + c] = sums[c];
+    }
+  });
   laid_out.scales = quantized.q_per_channel_scales().to(at::kFloat);
   laid_out.K = K, laid_out.K4 = K4, laid_out.N = N, laid_out.n_blocks = n_blocks;
   return laid_out;
