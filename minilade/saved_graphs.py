@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as shape_config
 
 from .errors import one_line
@@ -40,6 +39,8 @@ def tracing_config() -> contextlib.AbstractContextManager:
     call, and the rest are its own buffers and the outputs of our own operators; without the checks a one-row step
     of the demo model took 0.3-0.4 ms less (of 6.0-6.8 ms for its layers, the two graphs interleaved in one
     process), an 8-row step 0.4-0.5 ms less."""
+    import torch._inductor.config as inductor_config  # here: importing the compiler takes over a second
+
     stack = contextlib.ExitStack()
     stack.enter_context(torch._dynamo.config.patch(specialize_float=True, automatic_dynamic_shapes=False))
     stack.enter_context(shape_config.patch(use_duck_shape=False))
@@ -143,6 +144,8 @@ def compile_at_once(jobs: list[tuple[SavedGraphs, str, tuple]], what: str) -> No
         status = 1
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # the parent speaks for both
+            import torch._inductor.config as inductor_config
+
             inductor_config.compile_threads = 1  # C++ compiled here, not by workers the parent may have started
             for graphs, kind, args in there:
                 graphs.compile(kind, args)
