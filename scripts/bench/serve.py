@@ -25,6 +25,7 @@ resident memory. Every answer is compared with one-at-a-time's answer to the sam
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import re
 import shutil
@@ -35,6 +36,7 @@ import time
 from collections import Counter
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlsplit
 
 import httpx
 import torch
@@ -172,25 +174,36 @@ def llama_server(args: argparse.Namespace) -> Server | None:
     return Server.of_llama_cpp(gguf, max(args.clients), torch.get_num_threads())
 
 
+def streamed_events(url: str, path: str, body: dict):
+    """POST a streaming request; each `data:` event as it arrives, parsed. Through http.client: a load generator
+    shares the server's cores on loopback, and httpx's stream cost 0.32-0.40 ms of CPU a token against 0.08 here
+    (8 clients, the server then 8-20% faster)."""
+    address = urlsplit(url)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=600)
+    try:
+        connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        for line in connection.getresponse():
+            if line.startswith(b"data: {"):
+                yield json.loads(line[6:])
+    finally:
+        connection.close()
+
+
 def one_request(url: str, prompt: str, chat: bool, max_tokens: int) -> dict:
     """Stream one greedy request; its text, tokens, time to first token and gaps between chunks (seconds)."""
     body = {"max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
     path = "/v1/chat/completions" if chat else "/v1/completions"
     start, arrivals, text, tokens, kinds = time.perf_counter(), [], [], 0, {}
-    with httpx.stream("POST", url + path, json=body, timeout=600) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            for choice in event.get("choices", []):
-                piece = choice["delta"].get("content") if chat else choice.get("text")
-                if piece:
-                    arrivals.append(time.perf_counter())
-                    text.append(piece)
-            kinds = event.get("minilade", {}).get("step_kinds", kinds)
+    for event in streamed_events(url, path, body):
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+        for choice in event.get("choices", []):
+            piece = choice["delta"].get("content") if chat else choice.get("text")
+            if piece:
+                arrivals.append(time.perf_counter())
+                text.append(piece)
+        kinds = event.get("minilade", {}).get("step_kinds", kinds)
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     # llama-server may leave usage out of a stream; each of its chunks is one token.
     return {"text": "".join(text), "tokens": tokens or len(text), "ttft": arrivals[0] - start if arrivals else None,
@@ -334,16 +347,12 @@ def conversation(server: Server, questions: list[str], max_tokens: int) -> list[
         body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
         start, first, text, usage = time.perf_counter(), None, [], {}
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=600) as response:
-            for line in response.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                usage = event.get("usage") or usage
-                piece = event["choices"][0]["delta"].get("content") if event.get("choices") else None
-                if piece:
-                    first = first or time.perf_counter() - start
-                    text.append(piece)
+        for event in streamed_events(server.url, "/v1/chat/completions", body):
+            usage = event.get("usage") or usage
+            piece = event["choices"][0]["delta"].get("content") if event.get("choices") else None
+            if piece:
+                first = first or time.perf_counter() - start
+                text.append(piece)
         turns.append({"ttft": first, "prompt_tokens": usage.get("prompt_tokens"), "answer": "".join(text),
                       "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens")})
         messages.append({"role": "assistant", "content": "".join(text)})
