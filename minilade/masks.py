@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 
@@ -113,38 +114,52 @@ class CandidateTree:
 
     @classmethod
     def build(cls, candidates: torch.Tensor, lengths: torch.Tensor | None = None) -> "CandidateTree":
+        """The trie of g padded candidates (g, k), candidate j being its first lengths[j] tokens (all k without
+        lengths); node_of keeps the padded width k."""
         g, k = candidates.shape
         lengths = torch.full((g,), k, dtype=torch.long) if lengths is None else lengths.long()
-        if g == 0:
-            empty = torch.zeros(0, dtype=torch.long)
-            return cls(empty, empty, torch.zeros(0, 0, dtype=torch.bool), torch.zeros(0, k, dtype=torch.long), empty)
-        if int(lengths.min()) < 1 or int(lengths.max()) > k:
+        if g and (int(lengths.min()) < 1 or int(lengths.max()) > k):
             raise ValueError(f"candidate lengths must be in 1..{k}, got {lengths.tolist()}")
-        inside = torch.arange(k) < lengths[:, None]  # (g, k): real tokens, not padding
-        padded = torch.where(inside, candidates, -1)  # padding never equals a token
-        same_prefix = (padded[:, None, :] == padded[None, :, :]).int().cumprod(dim=2)  # (g, g, k)
-        owner = same_prefix.argmax(dim=1)  # (g, k): the first candidate with the same prefix up to token i
-        is_node = (owner == torch.arange(g)[:, None]) & inside
-        flat_nodes = is_node.flatten().nonzero().squeeze(1)  # owner * k + i, in node order
-        number = torch.full((g * k,), -1, dtype=torch.long)
-        number[flat_nodes] = torch.arange(flat_nodes.numel())
-        node_of = number[owner * k + torch.arange(k)]  # (g, k); -1 past a candidate's end
-        last = node_of.gather(1, (lengths - 1)[:, None])  # (g, 1)
-        node_of = torch.where(inside, node_of, last)
-        depth = flat_nodes % k
-        ancestors = node_of[flat_nodes // k]  # (n, k): each node's ancestor at every depth (its own candidate's)
-        n = flat_nodes.numel()
-        mask = (depth[None, :] <= depth[:, None]) & (ancestors.gather(1, depth.expand(n, n)) == torch.arange(n))
-        return cls(candidates.flatten()[flat_nodes], depth, mask, node_of, lengths)
+        tree = cls.of([row[:n] for row, n in zip(candidates.tolist(), lengths.tolist())])
+        node_of = tree.node_of if g else torch.zeros(0, k, dtype=torch.long)
+        node_of = torch.cat([node_of, node_of[:, -1:].expand(g, k - node_of.shape[1])], dim=1)
+        return cls(tree.tokens, tree.depth, tree.mask, node_of, tree.lengths)
 
     @classmethod
     def of(cls, paths: Sequence[Sequence[int]]) -> "CandidateTree":
-        """The trie of paths (each one token or more, of any lengths)."""
-        k = max((len(p) for p in paths), default=1)
-        padded = torch.zeros(len(paths), k, dtype=torch.long)
-        for j, path in enumerate(paths):
-            padded[j, :len(path)] = torch.tensor(path, dtype=torch.long)
-        return cls.build(padded, torch.tensor([len(p) for p in paths], dtype=torch.long))
+        """The trie of paths (each one token or more, of any lengths), built on the host: a drafted step's trie has
+        a few dozen nodes at most, and loops over them cost less than tensor operations (auto's drafted steps on
+        HumanEval, the demo model: 0.05 ms a trie against 0.32 built by some twenty tensor operations)."""
+        node_at: dict[tuple[int, int], int] = {}  # (parent node or -1, token) -> node
+        tokens: list[int] = []
+        depth: list[int] = []
+        parent: list[int] = []
+        node_of: list[list[int]] = []
+        for path in paths:
+            if not len(path):
+                raise ValueError("every path of a trie has one token or more")
+            node, nodes = -1, []
+            for token in path:
+                child = node_at.get((node, token))
+                if child is None:
+                    child = node_at[(node, token)] = len(tokens)
+                    tokens.append(token)
+                    depth.append(len(nodes))
+                    parent.append(node)
+                node = child
+                nodes.append(node)
+            node_of.append(nodes)
+        k = max(map(len, node_of), default=1)
+        n = len(tokens)
+        mask = np.zeros((n, n), dtype=bool)
+        for row in range(n):  # a node sees its parent's ancestors, its parent and itself (parents come first)
+            if parent[row] >= 0:
+                mask[row] = mask[parent[row]]
+            mask[row, row] = True
+        padded = [nodes + nodes[-1:] * (k - len(nodes)) for nodes in node_of]  # past its end, a path's last node
+        return cls(torch.tensor(tokens, dtype=torch.long), torch.tensor(depth, dtype=torch.long),
+                   torch.from_numpy(mask), torch.tensor(padded, dtype=torch.long).view(len(paths), k),
+                   torch.tensor([len(nodes) for nodes in node_of], dtype=torch.long))
 
     @property
     def n_paths(self) -> int:

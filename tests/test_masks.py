@@ -133,6 +133,8 @@ def test_candidate_lengths_out_of_range_are_refused() -> None:
             assert "lengths must be in 1..2" in str(e)
         else:
             raise AssertionError(f"lengths {lengths} accepted")
+    with pytest.raises(ValueError, match="one token or more"):
+        CandidateTree.of([(1, 2), ()])
 
 
 def trie_by_loops(paths: list[list[int]]) -> tuple[list[int], list[int], list[list[bool]], list[list[int]]]:
