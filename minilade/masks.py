@@ -139,7 +139,7 @@ class CandidateTree:
             if not len(path):
                 raise ValueError("every path of a trie has one token or more")
             node, nodes = -1, []
-            for token in path:
+            for token in map(int, path):  # ints, so that equal tokens share a node whatever held them
                 child = node_at.get((node, token))
                 if child is None:
                     child = node_at[(node, token)] = len(tokens)

@@ -118,6 +118,8 @@ def test_a_trie_of_paths_of_any_lengths() -> None:
     assert tree.lengths.tolist() == [3, 1] and tree.node_of.tolist() == [[0, 1, 2], [3, 3, 3]]
     assert (tree.n_paths, tree.path_length) == (2, 3)
     assert (CandidateTree.of([]).n_paths, CandidateTree.of([]).path_length, CandidateTree.of([]).size) == (0, 0, 0)
+    tree = CandidateTree.of([torch.tensor([5, 6]), (5, 7)])  # a path's tokens as a tensor or as ints: one trie
+    assert tree.tokens.tolist() == [5, 6, 7] and tree.node_of.tolist() == [[0, 1], [0, 2]]
 
 
 def test_padding_never_makes_rows_even_when_it_equals_a_token() -> None:
