@@ -50,6 +50,11 @@ class PassPlans:
         with self._lock:
             self._fed.pop(member, None)
 
+    def generations(self, member: object) -> int:
+        """How many generations feed the passes, `member` included."""
+        with self._lock:
+            return len(self._fed) + (member not in self._fed)
+
     def others(self, member: object) -> tuple[list[int], list[int], float]:
         """The rows of each generation but `member` (decoding calls, then eager ones), and the tokens they are
         expected to emit in all."""
@@ -81,6 +86,10 @@ class PassMember:
         plain_pass = self.pass_cost([1] * len(other_rows), eager_rows, costs)(1)
         return (self.pass_cost(other_rows, eager_rows, costs), tokens,
                 (len(other_rows) + 1 + sum(eager_rows)) / plain_pass)
+
+    def generations(self) -> int:
+        """auto.SharedPasses.generations: the generations feeding the passes, this one included."""
+        return self.plans.generations(self)
 
     def plan(self, rows: int, expected: float) -> None:
         self.planning = True

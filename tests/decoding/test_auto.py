@@ -80,6 +80,11 @@ def test_after_a_run_of_plain_steps_auto_plans_only_every_few_steps(monkeypatch)
     plan_always, plan_every = AutoDecoder.PLAN_ALWAYS, AutoDecoder.PLAN_EVERY
     assert steps > 2 * plan_always
     assert len(planned) == plan_always + len(range(plan_always, steps, plan_every))
+    # in a pass of 8 generations, a plan delays 8 for the drafts of one: one in 4 * PLAN_EVERY
+    planned.clear()
+    got, run = run_tokens(model, prompt, Auto(4, 4, 4, costs=costs_of(lambda T: float(T)), shared=Crowd((7, 7.0), 8)))
+    assert got == expected and set(run.stats.step_kinds) == {StepKind()}
+    assert len(planned) == plan_always + len(range(plan_always, run.stats.steps - 1, 4 * plan_every))
 
 
 def test_free_steps_mean_the_largest_useful_step() -> None:
@@ -372,8 +377,8 @@ class Crowd:
     """Passes shared with other generations feeding (rows, tokens), all rows in one step; keeps the rows each plan
     told."""
 
-    def __init__(self, others: tuple[int, float]) -> None:
-        self.fed, self.plans = others, []
+    def __init__(self, others: tuple[int, float], generations: int = 2) -> None:
+        self.fed, self.plans, self.n = others, [], generations
 
     def others(self, costs):
         rows, tokens = self.fed
@@ -381,6 +386,9 @@ class Crowd:
 
     def plan(self, rows: int, expected: float) -> None:
         self.plans.append(rows)
+
+    def generations(self) -> int:
+        return self.n
 
 
 def test_auto_in_a_crowded_pass_feeds_fewer_rows_tells_each_plan_and_stays_exact() -> None:

@@ -142,8 +142,10 @@ def test_pass_plans_sum_what_the_others_feed():
         assert all_plain == 1.0  # under one second a row, every generation plain: a token a second a row
         return cost(1), tokens
     assert others(c) == (135, 130.5) and others(a) == (7, 2.5) and others(b) == (129, 128)
+    # the generations feeding the passes, each counting itself: c has fed nothing yet
+    assert (a.generations(), b.generations(), c.generations()) == (2, 2, 3)
     a.leave()
-    assert others(c) == (7, 2.5)
+    assert others(c) == (7, 2.5) and (b.generations(), c.generations()) == (1, 2)
 
 
 def test_a_shared_history_and_pass_planning_leave_greedy_answers_alone(llm):
