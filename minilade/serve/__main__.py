@@ -26,7 +26,7 @@ from ..decoding.auto import COST_SIZES
 from ..decoding.step_costs import step_costs_for
 from ..llm import LLM
 from .app import Limits, Planning, Service, create_app
-from .prefill import PREFILL_ALONE, PREFILL_CHUNK
+from .prefill import PREFILL_ALONE, PREFILL_CHUNK, PREFILL_PER_REQUEST
 from .protocol import Served
 
 
@@ -56,8 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-cache-mb", type=int, default=512,
                    help="memory for finished requests' K/V, reused by prompts that begin with them (0: off; 512)")
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="ROWS",
-                   help=f"prompt rows a new request feeds each shared pass while others run: they wait at most one "
-                        f"such pass for it ({PREFILL_CHUNK}; {PREFILL_ALONE} while no other request runs)")
+                   help=f"prompt rows a new request feeds each shared pass while others run, at least: they wait at "
+                        f"most one such pass for it ({PREFILL_CHUNK}, and {PREFILL_PER_REQUEST} per running request; "
+                        f"{PREFILL_ALONE} while no other request runs)")
     p.add_argument("--plan", choices=["pass", "alone"], default="pass",
                    help="greedy auto requests size their drafts for the whole shared pass (pass, the default) or each "
                         "as if alone; only speed depends on it")

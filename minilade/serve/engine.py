@@ -49,7 +49,7 @@ from .errors import busy, unavailable
 from .metrics import Metrics
 from .native_pass import NativePasses
 from .planner import PassMember, PassPlans, rows_together
-from .prefill import PREFILL_ALONE, PREFILL_CHUNK, Hit, PrefixCache, is_prefill, prefill_calls, splits_exactly
+from .prefill import PREFILL_ALONE, PREFILL_CHUNK, PREFILL_PER_REQUEST, Hit, PrefixCache, is_prefill, prefill_calls, splits_exactly
 
 log = logging.getLogger("minilade.serve")
 
@@ -151,7 +151,7 @@ class Engine:
         """prefixes: where finished requests' K/V are kept for the prompts that begin with them (None: nowhere).
         plan_together: greedy auto generations size their steps for the whole pass (planner.py), not alone.
         history: earlier answers that greedy auto generations draft from, and add theirs to (None: none shared).
-        prefill_chunk: prompt rows a new request feeds each pass while others run (they wait at most that pass)."""
+        prefill_chunk: prompt rows a new request feeds each pass while others run, at least (prefill_rows)."""
         self.llm, self.max_concurrent, self.queue_size, self.prefixes = llm, max_concurrent, queue_size, prefixes
         # Where the model's steps are native or compiled, its decoding calls run in passes of their own
         # (native_pass.py, compiled_pass.py, where checked exact), whose cost their pass_cost says; else one after
@@ -176,9 +176,11 @@ class Engine:
         self._thread.start()
 
     def prefill_rows(self) -> int:
-        """Prompt rows the next prefill pass takes: few while other requests run and wait for it, many while none
-        does (prefill.PREFILL_ALONE)."""
-        return self.prefill_chunk if len(self._running) > 1 else PREFILL_ALONE
+        """Prompt rows the next prefill pass takes: while other requests run and wait for it, PREFILL_PER_REQUEST for
+        each running request and at least prefill_chunk, so that the part lengthens their pass by about as much
+        at any load (the pass's cost grows with their rows); many while none runs (prefill.PREFILL_ALONE)."""
+        running = len(self._running)
+        return max(self.prefill_chunk, PREFILL_PER_REQUEST * running) if running > 1 else PREFILL_ALONE
 
     def submit(self, job: Job) -> None:
         """Queue a job; a 429 APIError when the queue is full, a 503 when the engine is stopping."""

@@ -6,8 +6,8 @@ answer, whose K/V a finished request already computed. `PrefixCache` keeps the c
 requests (token ids and their rows, copied out of the request's cache), least recently used first out, within a
 byte budget. A new request's prefill then copies the rows of the longest common prefix into its own cache and runs
 only the rest of the prompt in chunks (`prefill_calls`), each pass shared with the running requests' steps:
-PREFILL_CHUNK rows per pass while other requests run (they wait at most one such pass), PREFILL_ALONE while none
-does (nobody waits, and wider passes read a prompt sooner).
+PREFILL_PER_REQUEST rows per pass for each running request, at least PREFILL_CHUNK, while others run (they wait
+at most one such pass), PREFILL_ALONE while none does (nobody waits, and wider passes read a prompt sooner).
 
 The answer is the same with or without reuse, in one piece or in chunks: with the exact backend every row of a
 prefill goes through the batch-invariant attention (invariance.ExactAttention), so the K/V and logits of row r
@@ -30,7 +30,8 @@ from ..model import Transformer
 from .batched import ForwardCall
 
 MIN_REUSE = 4  # fewer common tokens than this are recomputed: not worth a copy
-PREFILL_CHUNK = 16  # prompt rows per pass while others run: they wait at most one such pass for a new prompt
+PREFILL_CHUNK = 8  # prompt rows per pass while others run, at least: they wait at most one such pass for a new prompt
+PREFILL_PER_REQUEST = 2  # and as many per running request: a part slows a pass by about as much at any load
 PREFILL_ALONE = 256  # prompt rows per pass while no other request runs (one block of invariance.CausalPrefill)
 
 

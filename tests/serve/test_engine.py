@@ -21,6 +21,7 @@ from minilade.sampling import SamplingParams
 from minilade.serve.engine import Engine, Job, compute_alone
 from minilade.serve.errors import APIError
 from minilade.serve.planner import PassMember, PassPlans
+from minilade.serve.prefill import PREFILL_ALONE
 from tests.helpers import FLAT_COSTS
 
 from .helpers import CONTEXT, free_port, start_server
@@ -202,6 +203,17 @@ def test_a_prompt_is_read_in_chunks_while_others_run_and_whole_alone(llm, chunk,
     engine.stop()
     assert [rows for j, rows in fed if j is alone and rows > 1] == [20]
     assert [rows for j, rows in fed if j is beside and rows > 1] == parts
+
+
+def test_prompt_rows_a_pass_grow_with_the_running_requests(llm):
+    """A prompt part takes PREFILL_PER_REQUEST rows for each running request, at least --prefill-chunk, while others
+    run (its share of a pass about the same at any load); PREFILL_ALONE while it runs alone."""
+    engine = Engine(llm, prefill_chunk=8)
+    rows = []
+    for running in (1, 2, 4, 6, 8, 12):
+        engine._running = [None] * running
+        rows.append(engine.prefill_rows())
+    assert rows == [PREFILL_ALONE, 8, 8, 12, 16, 24]
 
 
 def test_a_worker_computes_on_its_own_thread_alone():
