@@ -49,7 +49,16 @@ from .errors import busy, unavailable
 from .metrics import Metrics
 from .native_pass import NativePasses
 from .planner import PassMember, PassPlans, rows_together
-from .prefill import PREFILL_ALONE, PREFILL_CHUNK, PREFILL_PER_REQUEST, Hit, PrefixCache, is_prefill, prefill_calls, splits_exactly
+from .prefill import (
+    PREFILL_ALONE,
+    PREFILL_CHUNK,
+    PREFILL_PER_REQUEST,
+    Hit,
+    PrefixCache,
+    is_prefill,
+    prefill_calls,
+    splits_exactly,
+)
 
 log = logging.getLogger("minilade.serve")
 
