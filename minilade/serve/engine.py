@@ -91,12 +91,37 @@ class Job:
     cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
+class Signal:
+    """Set once by one thread, waited for by another: a bare lock, held until set. A pass wakes every running
+    request's worker; threading.Event would wake each through a Condition written in Python, under the GIL while
+    the others wait (8 requests at a time in process, plain steps: +3% tokens/s with this, medians of 10
+    alternated rounds, 9 of them faster)."""
+
+    __slots__ = ("_held", "_set")
+
+    def __init__(self) -> None:
+        self._held, self._set = threading.Lock(), False
+        self._held.acquire()
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            self._held.release()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self) -> None:
+        """Block until set (for one waiter: the lock is not given back)."""
+        self._held.acquire()
+
+
 @dataclass(eq=False)
 class PendingCall:
     """A worker's forward call waiting for the engine: answered with its logits or an error."""
 
     forward: ForwardCall
-    done: threading.Event = field(default_factory=threading.Event)
+    done: Signal = field(default_factory=Signal)
     logits: torch.Tensor | None = None
     error: BaseException | None = None
 

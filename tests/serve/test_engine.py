@@ -18,7 +18,7 @@ from minilade.cli import console
 from minilade.decoding import GenerationSettings, make_strategy
 from minilade.drafts.history import DraftHistory
 from minilade.sampling import SamplingParams
-from minilade.serve.engine import Engine, Job, compute_alone
+from minilade.serve.engine import Engine, Job, Signal, compute_alone
 from minilade.serve.errors import APIError
 from minilade.serve.planner import PassMember, PassPlans
 from minilade.serve.prefill import PREFILL_ALONE
@@ -214,6 +214,19 @@ def test_prompt_rows_a_pass_grow_with_the_running_requests(llm):
         engine._running = [None] * running
         rows.append(engine.prefill_rows())
     assert rows == [PREFILL_ALONE, 8, 8, 12, 16, 24]
+
+
+def test_a_signal_wakes_its_waiter_once_set():
+    """PendingCall's signal: the waiting thread blocks until the engine sets it; setting it again changes nothing."""
+    signal, woke = Signal(), []
+    waiter = threading.Thread(target=lambda: (signal.wait(), woke.append(signal.is_set())))
+    waiter.start()
+    waiter.join(0.1)
+    assert waiter.is_alive() and not signal.is_set()
+    signal.set()
+    signal.set()
+    waiter.join(10)
+    assert woke == [True]
 
 
 def test_a_worker_computes_on_its_own_thread_alone():
