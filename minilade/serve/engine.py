@@ -211,8 +211,9 @@ class Engine:
 
     def prefill_rows(self) -> int:
         """Prompt rows the next prefill pass takes: while other requests run and wait for it, PREFILL_PER_REQUEST for
-        each running request and at least prefill_chunk, so that the part lengthens their pass by about as much
-        at any load (the pass's cost grows with their rows); many while none runs (prefill.PREFILL_ALONE)."""
+        each running request and at least prefill_chunk (few rows hold up their next tokens least; each pass more
+        costs their host work again, more of it the more they are: prefill.py); many while none runs
+        (prefill.PREFILL_ALONE)."""
         running = len(self._running)
         return max(self.prefill_chunk, PREFILL_PER_REQUEST * running) if running > 1 else PREFILL_ALONE
 

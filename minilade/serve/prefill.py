@@ -30,8 +30,10 @@ from ..model import Transformer
 from .batched import ForwardCall
 
 MIN_REUSE = 4  # fewer common tokens than this are recomputed: not worth a copy
-PREFILL_CHUNK = 8  # prompt rows per pass while others run, at least: they wait at most one such pass for a new prompt
-PREFILL_PER_REQUEST = 2  # and as many per running request: a part slows a pass by about as much at any load
+# Prompt rows per pass while others run: a part's rows hold up the running requests' next tokens (they wait at most
+# one such pass), and each pass a prompt takes costs their host work once more, which grows with their number.
+PREFILL_CHUNK = 8  # at least
+PREFILL_PER_REQUEST = 2  # for each running request
 PREFILL_ALONE = 256  # prompt rows per pass while no other request runs (one block of invariance.CausalPrefill)
 
 

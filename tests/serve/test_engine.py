@@ -207,7 +207,7 @@ def test_a_prompt_is_read_in_chunks_while_others_run_and_whole_alone(llm, chunk,
 
 def test_prompt_rows_a_pass_grow_with_the_running_requests(llm):
     """A prompt part takes PREFILL_PER_REQUEST rows for each running request, at least --prefill-chunk, while others
-    run (its share of a pass about the same at any load); PREFILL_ALONE while it runs alone."""
+    run; PREFILL_ALONE while it runs alone."""
     engine = Engine(llm, prefill_chunk=8)
     rows = []
     for running in (1, 2, 4, 6, 8, 12):
