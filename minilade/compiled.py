@@ -45,6 +45,7 @@ from .invariance import (
     apply_exact_attention,
     find_tiling,
     key_layout,
+    key_scores,
     round_up,
     work_dtype,
 )
@@ -94,7 +95,7 @@ def attention_weights(q: torch.Tensor, keys: torch.Tensor, key_bias: torch.Tenso
     R = key_bias.shape[-2]
     work = work_dtype(q.dtype)
     qs = F.pad(q.reshape(B, Hkv, G * T, D).to(work) * (D ** -0.5 * LOG2_E), (0, 0, 0, R - G * T))
-    scores = qs @ keys.to(work).transpose(-1, -2) + key_bias  # (B, Hkv, R, Sp)
+    scores = key_scores(qs, keys.to(work)) + key_bias  # (B, Hkv, R, Sp)
     return (scores - scores.amax(-1, keepdim=True)).exp2()
 
 

@@ -50,8 +50,9 @@ def attention_tiles(device: torch.device | str) -> tuple[int, int]:
 LOG2_E = 1.4426950408889634  # attention's scores are scaled by it and exponentiated in base 2
 # Raised whenever the step's kernels change (how they round, or what they cost): what a machine keeps about them
 # (step costs, invariance verdicts: decoding/step_costs.cost_key) is then measured again. 2: base-2 softmax;
-# 3: reduced-precision matmuls on the CPU on two rows at least (REDUCED_MIN_ROWS).
-KERNELS_VERSION = 3
+# 3: reduced-precision matmuls on the CPU on two rows at least (REDUCED_MIN_ROWS); 4: scores summed over the head
+# width in pieces (key_scores).
+KERNELS_VERSION = 4
 PREFILL_ROWS = 256  # a prefill's query rows attend in blocks of this many (CausalPrefill)
 
 
@@ -174,6 +175,22 @@ def pad_keys_values(keys: torch.Tensor, values: torch.Tensor, n_slots: int) -> t
     return F.pad(keys, (0, 0, 0, n_slots - S)), v1
 
 
+# Scores sum a row's products over the head width in pieces of this many columns, added in order: on an AVX-512
+# Xeon (torch 2.13's MKL), a float32 matmul over 128 or more columns rounds a call of 4 rows (8 over 256) unlike a
+# wider one, which it does not over 64 (measured); a piece's sum is then the same at every row count.
+SCORE_COLUMNS = 64
+
+
+def key_scores(qs: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """qs (..., R, D) @ k (..., S, D)^T -> (..., R, S): each score summed over D in pieces of SCORE_COLUMNS columns,
+    the pieces' matmuls added in order (one matmul where D is at most SCORE_COLUMNS)."""
+    kt = k.transpose(-1, -2)
+    scores = qs[..., :SCORE_COLUMNS] @ kt[..., :SCORE_COLUMNS, :]
+    for d in range(SCORE_COLUMNS, qs.shape[-1], SCORE_COLUMNS):
+        scores = scores + qs[..., d:d + SCORE_COLUMNS] @ kt[..., d:d + SCORE_COLUMNS, :]
+    return scores
+
+
 def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout: KeyLayout
                         ) -> torch.Tensor:
     """Softmax attention whose every row depends only on the keys that row sees, in slot order.
@@ -197,7 +214,7 @@ def invariant_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     # a CPU (torch 2.13, measured) and softmax is the same function in either base.
     qs = F.pad(q.reshape(B, Hkv, G * T, D).to(work) * (D ** -0.5 * LOG2_E), (0, 0, 0, R - G * T))
     k, v1 = keys.to(work), values.to(work)  # no copy when the cache keeps the work dtype
-    scores = (qs @ k.transpose(-1, -2)).add_(layout.key_bias)  # (B, Hkv, R, keys)
+    scores = key_scores(qs, k).add_(layout.key_bias)  # (B, Hkv, R, keys)
     weights = scores.sub_(scores.amax(-1, keepdim=True)).exp2_()  # in place; exactly 0 where hidden
 
     n, L0 = layout.n_shared, layout.n_shared * C

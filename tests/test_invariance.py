@@ -37,6 +37,26 @@ def test_one_row_step_equals_its_row_in_wide_steps(dtype: torch.dtype, preset: s
         assert check_invariance(model, contexts, width, lanes), (contexts, width, lanes)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_wide_heads_keep_a_rows_bits_at_every_row_count(dtype: torch.dtype, head_dim: int) -> None:
+    """Heads of 128 and 256 columns (LLaMA-7B's are 128): attention's scores summed in pieces of SCORE_COLUMNS
+    (key_scores), since one float32 matmul over them rounds a call of 4 rows unlike a wider one on an AVX-512 Xeon."""
+    config = ModelConfig.preset("tiny-gqa").replace(vocab_size=50, head_dim=head_dim)
+    model = invariance.apply_exact_attention(Transformer(config).init_random(seed=0, std=0.3).to(dtype).eval())
+    assert make_exact(model).exact
+    assert check_invariance(model, (5, 70), 8, 2)
+
+
+def test_key_scores_are_the_matmul_over_the_head_width() -> None:
+    """key_scores sums the pieces' matmuls: the scores of one matmul, up to rounding (and its bits where the head
+    width is one piece)."""
+    generator = torch.Generator().manual_seed(0)
+    qs, k = torch.randn(2, 3, 12, 200, generator=generator), torch.randn(2, 3, 40, 200, generator=generator)
+    assert torch.allclose(invariance.key_scores(qs, k), qs @ k.transpose(-1, -2), atol=1e-4)
+    assert torch.equal(invariance.key_scores(qs[..., :64], k[..., :64]), qs[..., :64] @ k[..., :64].transpose(-1, -2))
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layout) -> torch.Tensor:
     return invariant_attention(q, *pad_keys_values(keys, values, layout.keys), layout)
 
