@@ -1,15 +1,16 @@
 """How a model's decoding steps run: the choice LLM.load(compile=...) makes, and a first run's compile.
 
-`choose_steps` installs native steps (native_steps.py) where they serve the model, else compiled steps
-(compiled.py), where they pass the exactness check and, unless forced, measure faster than eager ones, and keeps
-what it found per machine; on a first run `compile_kinds_at_once` traces
-the two kinds of graph (one-row and wider steps) at the same time, the wider in a forked process, so that the first
-compile takes about as long as one graph.
+`choose_steps` installs native steps (native_steps.py) where they serve the model (their matmuls on matrix tiles
+where the processor has them and they measure faster), else compiled steps (compiled.py), where they pass the
+exactness check and, unless forced, measure faster than eager ones, and keeps what it found per machine; on a
+first run `compile_kinds_at_once` traces the two kinds of graph (one-row and wider steps) at the same time, the
+wider in a forked process, so that the first compile takes about as long as one graph.
 """
 
 from __future__ import annotations
 
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from .invariance import RowTiledLinear
 from .masks import interleaved_step
 from .memo import read_table, write_entry
 from .model import Transformer
-from .native_steps import NativeSteps, unserved
+from .native_steps import NativeSteps, unserved, use_matrix_tiles
 from .native_steps import load as load_native
 from .saved_graphs import GRAPHS_FOLDER, compile_at_once
 
@@ -59,10 +60,12 @@ def choose_steps(model: Transformer, check_file: str | Path | None = None, *, fo
             print(f"minilade: native steps unavailable ({unbuilt}); trying compiled steps", file=sys.stderr)
         else:
             model.step_runner = NativeSteps()
+            use_matrix_tiles(False)  # the verdict is kept under the vector loop's name, tiles' choice in it
             known = verdict(model, check_file, "native")
             if known["exact"] and known["native_s"] < known["eager_s"]:
-                return f"native steps ({known['native_s'] * 1e3:.0f} ms for a 1- and an 8-row step, eager " \
-                       f"{known['eager_s'] * 1e3:.0f})"
+                tiles = use_matrix_tiles(known.get("matrix_tiles", False))
+                return f"native steps{' on matrix tiles' if tiles else ''} ({known['native_s'] * 1e3:.0f} ms for " \
+                       f"a 1- and an 8-row step, eager {known['eager_s'] * 1e3:.0f})"
             model.step_runner = None
     compile_steps(model, Path(check_file).parent / GRAPHS_FOLDER if check_file is not None else None)
     if not force and any(m.graph_rows > 1 for m in model.modules() if isinstance(m, RowTiledLinear)):
@@ -102,9 +105,31 @@ def verdict(model: Transformer, check_file: str | Path | None, name: str) -> dic
             seconds[label] = sum(measure_step_costs(model, (1, 8), context=128, repeats=2).values())
         model.step_runner = runner
         known = {"exact": exact, "eager_s": seconds["eager"], f"{name}_s": seconds[name]}
+        if name == "native" and use_matrix_tiles(True):
+            known.update(matrix_tiles_verdict(model))
         if check_file is not None:
             write_entry(check_file, cost_key(model), known)
     return known
+
+
+TILE_ROUNDS = 3  # alternate measurements of native steps with and without matrix tiles
+
+
+def matrix_tiles_verdict(model: Transformer) -> dict:
+    """Whether the model's native steps run faster with their matmuls on matrix tiles (native_steps.use_matrix_tiles:
+    the same integer sums, a step's bits unchanged, which device.check_invariance checks here too): a one-row plus
+    an 8-row step timed TILE_ROUNDS times each way, alternately (the difference is some 5-15% on an AMX Xeon, within
+    one measurement's noise on a shared machine). Leaves tiles off; returns {"matrix_tiles", "native_s"}."""
+    exact = check_invariance(model)
+    seconds: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(TILE_ROUNDS):
+        for on in (False, True):
+            use_matrix_tiles(on)
+            seconds[on].append(sum(measure_step_costs(model, (1, 8), context=128, repeats=2).values()))
+    use_matrix_tiles(False)
+    vector_s, tiles_s = (statistics.median(seconds[on]) for on in (False, True))
+    faster = exact and tiles_s < vector_s
+    return {"matrix_tiles": faster, "native_s": tiles_s if faster else vector_s}
 
 
 def compile_kinds_at_once(model: Transformer) -> None:

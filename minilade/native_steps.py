@@ -100,7 +100,13 @@ class NativeSteps:
     the embedding as the eager step looks it up."""
 
     # In the keys under which step costs and exactness verdicts are kept: they hold for these sources only.
-    name = f"native {hashlib.sha256(b''.join(f.read_bytes() for f in [SOURCE, *HEADERS])).hexdigest()[:12]}"
+    sources = f"native {hashlib.sha256(b''.join(f.read_bytes() for f in [SOURCE, *HEADERS])).hexdigest()[:12]}"
+
+    @property
+    def name(self) -> str:
+        """The steps' name in kept keys: the sources, and whether the matmuls run on matrix tiles (the same bits,
+        another step cost)."""
+        return f"{self.sources} on matrix tiles" if uses_matrix_tiles() else self.sources
     # The prefill too (Transformer.forward): a prompt's rows then get the bits a decoding step would give them, so
     # that rows kept from an answer serve a later prompt exactly, and a prompt read in parts gets its whole bits.
     runs_prefill = True
@@ -187,6 +193,27 @@ def register_layers(model: Transformer, integer_matmul: bool = True) -> int:
                      integer_matmul)
     weakref.finalize(model, ops.forget_model, key).atexit = False
     return key
+
+
+def has_matrix_tiles() -> bool:
+    """Whether the operator can compute its matmuls with matrix tiles (AMX: the processor has them, the build
+    compiled them and the kernel lets this process use them); load() first."""
+    return torch.ops.minilade_native_layer.has_matrix_tiles()
+
+
+def uses_matrix_tiles() -> bool:
+    """Whether native matmuls run on matrix tiles now (use_matrix_tiles); False where the operator is not loaded."""
+    return hasattr(torch.ops.minilade_native_layer, "uses_matrix_tiles") and \
+        torch.ops.minilade_native_layer.uses_matrix_tiles()
+
+
+def use_matrix_tiles(on: bool) -> bool:
+    """Compute every native matmul of this process with matrix tiles (where has_matrix_tiles), or with the vector
+    loop: the same integer sums, so the same bits; only the speed differs (compile_policy.verdict measures which is
+    faster here). Returns whether tiles are now on."""
+    on = on and has_matrix_tiles()
+    torch.ops.minilade_native_layer.use_matrix_tiles(on)
+    return on
 
 
 def take_over(model: Transformer) -> None:

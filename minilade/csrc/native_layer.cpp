@@ -325,4 +325,7 @@ TORCH_LIBRARY(minilade_native_layer, m) {
   m.def("linear(Tensor x, __torch__.torch.classes.quantized.LinearPackedParamsBase weight, bool by_fbgemm) -> Tensor",
         linear);
   m.def("has_integer_matmul() -> bool", []() { return kHasDotProducts; });
+  m.def("has_matrix_tiles() -> bool", []() { return kHasMatrixTiles && matrix_tiles_granted(); });
+  m.def("use_matrix_tiles(bool on) -> ()", [](bool on) { matrix_tiles_on().store(on && kHasMatrixTiles); });
+  m.def("uses_matrix_tiles() -> bool", []() { return matrix_tiles_on().load() && matrix_tiles_granted(); });
 }

@@ -7,11 +7,12 @@
 // in which a thread's share of a weight is one run of memory (asked for ahead of its reads by wide tiles); the rows of
 // a tile are handed to it interleaved so that one load brings a quad of inputs of all of them. Whole passes of the demo
 // model's layers (2 threads, AVX-512 VNNI) ran x0.95-x1.29 as fast as with fbgemm's call, more often faster the more
-// rows (docs/benchmarks.md).
+// rows (docs/benchmarks.md). Where the processor has matrix tiles (AMX) and they measure faster (use_matrix_tiles),
+// `tile_block_sums` does a block's arithmetic for 16 rows at a time instead, from the same layout.
 //
 // The same bits as fbgemm's call, by construction: a row's sum of integer products is exact in any order (int32
 // lanes, no saturation: on AVX2 a pair of u8 x s8 products is at most 2 x 255 x 63 = 32130, under the 16-bit bound,
-// because the weight codes are 7-bit), and it becomes a float as fbgemm's requantization makes it one:
+// because the weight codes are 7-bit; a tile's sums are int32 too), and it becomes a float as fbgemm's requantization makes it one:
 // float(sum - 128 x column sum) x weight scale (x an activation scale of 1, exact), then x the row's own scale as
 // w7a8_linear applies it. tests/decoding/test_native_steps.py compares the two, bit for bit, at many row counts
 // and shapes.
@@ -25,10 +26,16 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <utility>
 #include <vector>
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -193,34 +200,145 @@ constexpr std::array<BlockSums, sizeof...(RT)> block_sums_by_rows(std::integer_s
 constexpr auto kBlockSums = block_sums_by_rows(std::make_integer_sequence<int, kRowTile>());
 #endif
 
+// Rows [r0, r0 + rows) of y from their int32 sums with the columns of block b (sums (rows, width)): each becomes a
+// float as fbgemm's requantization makes it one, then x the row's own scale.
+inline void write_block(const MatmulCodes& w, int64_t b, const int32_t* sums, int64_t r0, int64_t rows,
+                        const float* row_scales, float* y) {
+  const int32_t* column_sums = w.column_sums.const_data_ptr<int32_t>();
+  const float* scales = w.scales.const_data_ptr<float>();
+  const int64_t n0 = b * MatmulCodes::width, columns = std::min(MatmulCodes::width, w.N - n0);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* __restrict out = y + (r0 + r) * w.N + n0;
+    const int32_t* __restrict row_sums = sums + r * MatmulCodes::width;
+    const float row_scale = row_scales[r0 + r];
+    for (int64_t c = 0; c < columns; ++c) {
+      const int32_t sum = row_sums[c] - 128 * column_sums[n0 + c];
+      out[c] = static_cast<float>(sum) * scales[n0 + c] * row_scale;
+    }
+  }
+}
+
+// Matrix tiles (AMX): the processor multiplies a tile of 16 rows x 64 u8 inputs by one of 16 quads x 16 columns of
+// s8 codes into 16 x 16 int32 sums in one instruction (tdpbusd), each sum exact, as vpdpbusd's. A block's codes are
+// already a tile's layout: quad q of its columns 0-15 is 64 bytes at the start of its 128-byte run, columns 16-31 the
+// next 64. Where many rows share a step this does their arithmetic for a fraction of the vector loop's time; the sums
+// and so the bits are the same.
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+constexpr bool kHasMatrixTiles = true;
+constexpr int64_t kTileRows = 16, kTileQuads = 16;
+// Fewer rows go to the vector loop: a matmul of one or two rows waits on reading the codes either way, and on tiles
+// it measured the same or up to a tenth slower (scripts/bench/native_matmul.py on an AMX Xeon), from 4 rows faster.
+constexpr int64_t kTileMinRows = 4;
+static_assert(MatmulCodes::width == 32, "a block is two tiles of 16 columns");
+
+// Whether Linux lets this process use tile data: it asks each process to request it once (else tile instructions
+// fault).
+inline bool matrix_tiles_granted() {
+  static const bool granted = [] {
+    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return granted;
+}
+
+// The tiles' shapes, as ldtilecfg reads them: 0-1 the sums of 16 rows with a block's two halves, 2 a tile of inputs,
+// 3-4 the halves' codes for 16 quads; 5-7 the same for the quads past the last whole 16 (none where K4 / 4 is a
+// multiple of 16).
+struct alignas(64) TileShapes {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+
+  explicit TileShapes(int64_t tail_quads) {
+    for (int t : {0, 1, 2, 3, 4}) bytes_per_row[t] = 64, rows[t] = kTileRows;
+    rows[3] = rows[4] = kTileQuads;
+    if (tail_quads > 0) {
+      bytes_per_row[5] = static_cast<uint16_t>(tail_quads * 4), rows[5] = kTileRows;
+      for (int t : {6, 7}) bytes_per_row[t] = 64, rows[t] = static_cast<uint8_t>(tail_quads);
+    }
+  }
+};
+
+// The int32 sums of 16 rows of inputs (u8, one row every `stride` bytes) with the columns of block b, into sums
+// (16, width); the tile shapes must be loaded (TileShapes(quads % 16)). The whole chunks of 16 quads and the last
+// part chunk go through tiles of their own shapes; GCC's tile intrinsics spell the tile number into the
+// instruction's text, so the two are written out rather than shared through a template.
+inline void tile_block_sums(const MatmulCodes& w, int64_t b, const uint8_t* inputs, int64_t stride, int32_t* sums) {
+  const int64_t quads = w.K4 / 4, quad_bytes = MatmulCodes::width * 4, whole = quads / kTileQuads;
+  const int8_t* codes = w.codes.const_data_ptr<int8_t>() + b * quads * quad_bytes;
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t chunk = 0; chunk < whole; ++chunk) {
+    const int8_t* at = codes + chunk * kTileQuads * quad_bytes;
+    _tile_loadd(2, inputs + chunk * kTileQuads * 4, stride);
+    _tile_loadd(3, at, quad_bytes);
+    _tile_loadd(4, at + 64, quad_bytes);
+    _tile_dpbusd(0, 2, 3);
+    _tile_dpbusd(1, 2, 4);
+  }
+  if (quads % kTileQuads != 0) {
+    const int8_t* at = codes + whole * kTileQuads * quad_bytes;
+    _tile_loadd(5, inputs + whole * kTileQuads * 4, stride);
+    _tile_loadd(6, at, quad_bytes);
+    _tile_loadd(7, at + 64, quad_bytes);
+    _tile_dpbusd(0, 5, 6);
+    _tile_dpbusd(1, 5, 7);
+  }
+  _tile_stored(0, sums, quad_bytes);
+  _tile_stored(1, sums + 16, quad_bytes);
+}
+#else
+constexpr bool kHasMatrixTiles = false;
+inline bool matrix_tiles_granted() { return false; }
+#endif
+
+// Whether matmuls take matrix tiles where the processor has them (use_matrix_tiles: where measured faster; the sums,
+// and so the bits, are the same either way).
+inline std::atomic<bool>& matrix_tiles_on() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+
 // y (R, N) float32 = the w7a8 matmul of R rows of 8-bit codes: x (R, K4) u8, each code + 128 (fbgemm's zero point),
-// zero from K to K4; row_scales (R,) each row's activation scale. The rows go in tiles of kRowTile (interleave_quads);
-// threads take column blocks, and a block's codes are read from memory once, for the first tile, and from the cache
-// for the others.
+// zero from K to K4; row_scales (R,) each row's activation scale. Threads take column blocks, and a block's codes are
+// read from memory once, for the first tile of rows, and from the cache for the others. The rows go in tiles of 16 to
+// matrix tiles where they are on (matrix_tiles_on) and at least kTileMinRows, else in tiles of kRowTile to the vector
+// loop (interleave_quads).
 inline void integer_matmul(const MatmulCodes& w, const uint8_t* x, int64_t R, const float* row_scales, float* y) {
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  if (R >= kTileMinRows && matrix_tiles_on().load(std::memory_order_relaxed) && matrix_tiles_granted()) {
+    const int64_t row_tiles = (R + kTileRows - 1) / kTileRows;
+    std::vector<uint8_t> padded(row_tiles * kTileRows * w.K4, 0);  // rows past R zero
+    std::memcpy(padded.data(), x, R * w.K4);
+    at::parallel_for(0, w.n_blocks, 1, [&](int64_t begin, int64_t end) {
+      const TileShapes shapes(w.K4 / 4 % kTileQuads);
+      _tile_loadconfig(&shapes);
+      alignas(64) int32_t sums[kTileRows * MatmulCodes::width];
+      for (int64_t b = begin; b < end; ++b) {
+        for (int64_t t = 0; t < row_tiles; ++t) {
+          tile_block_sums(w, b, padded.data() + t * kTileRows * w.K4, w.K4, sums);
+          write_block(w, b, sums, t * kTileRows, std::min(kTileRows, R - t * kTileRows), row_scales, y);
+        }
+      }
+      _tile_release();
+    });
+    return;
+  }
+#endif
 #if defined(__AVX512VNNI__) || defined(__AVX2__)
   std::vector<uint8_t> tiles(R * w.K4);
   for (int64_t r0 = 0; r0 < R; r0 += kRowTile) {
     interleave_quads(x + r0 * w.K4, std::min(kRowTile, R - r0), w.K4, tiles.data() + r0 * w.K4);
   }
-  const int32_t* column_sums = w.column_sums.const_data_ptr<int32_t>();
-  const float* scales = w.scales.const_data_ptr<float>();
   at::parallel_for(0, w.n_blocks, 1, [&](int64_t begin, int64_t end) {
     int32_t sums[kRowTile * MatmulCodes::width];
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * MatmulCodes::width, columns = std::min(MatmulCodes::width, w.N - n0);
       for (int64_t r0 = 0; r0 < R; r0 += kRowTile) {
         const int64_t rows = std::min(kRowTile, R - r0);
         kBlockSums[rows - 1](w, b, tiles.data() + r0 * w.K4, sums);
-        for (int64_t r = 0; r < rows; ++r) {
-          float* __restrict out = y + (r0 + r) * w.N + n0;
-          const int32_t* __restrict row_sums = sums + r * MatmulCodes::width;
-          const float row_scale = row_scales[r0 + r];
-          for (int64_t c = 0; c < columns; ++c) {
-            const int32_t sum = row_sums[c] - 128 * column_sums[n0 + c];
-            out[c] = static_cast<float>(sum) * scales[n0 + c] * row_scale;
-          }
-        }
+        write_block(w, b, sums, r0, rows, row_scales, y);
       }
     }
   });

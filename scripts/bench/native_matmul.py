@@ -1,4 +1,5 @@
-"""Native steps' weight matmuls: the operator's own integer dot products against fbgemm's w7a8 call, in whole passes.
+"""Native steps' weight matmuls: the operator's own integer dot products against fbgemm's w7a8 call, in whole passes,
+and on matrix tiles where the processor has them (AMX).
 
 The demo model's layers and output head are registered with the native operator twice
 (native_steps.register_layers), once with its codes laid out for the operator's integer matmul (what native steps
@@ -6,7 +7,9 @@ run) and once without (every matmul through fbgemm's call, the same bits), and t
 interleaved, in rounds: the layers over R rows of one call (a decoding step with drafts, causal) and over R calls of
 one row each over caches of their own (a server's pass), after --context committed tokens a cache; and the final
 norm and output head over R rows, also eagerly (the model's RMSNorm and W7A8Linear modules, as eager steps run
-them). Medians of the rounds' medians; ratios are the other way's time over the operator's integer matmul's.
+them); where the processor has matrix tiles, the operator's integer matmul on them too (the same registration, the
+same bits). Medians of the rounds' medians; ratios are the other way's time over the operator's integer matmul's
+(tiles: the integer matmul's over the tiles').
 
     python -m scripts.bench.native_matmul --rows 1 2 4 8 16 32
 """
@@ -23,7 +26,15 @@ import torch
 
 from minilade import LLM
 from minilade.checkpoints import DEFAULT_CHECKPOINT
-from minilade.native_steps import NativeCall, NativeSteps, layers_pass, native_missing, register_layers
+from minilade.native_steps import (
+    NativeCall,
+    NativeSteps,
+    has_matrix_tiles,
+    layers_pass,
+    native_missing,
+    register_layers,
+    use_matrix_tiles,
+)
 
 from .common import JobParser, UsageError, describe_machine, environment, positive_int, progress, run_job
 
@@ -77,7 +88,11 @@ def job(argv: list[str]) -> int:
     if missing:
         raise UsageError(f"native steps do not run here: {missing}")
     llm.model.step_runner = NativeSteps()  # its caches are the ones native passes read
-    keys = {"integer": register_layers(llm.model), "fbgemm": register_layers(llm.model, integer_matmul=False)}
+    integer = register_layers(llm.model)
+    # matmul -> (registration key, whether on matrix tiles)
+    keys = {"integer": (integer, False), "fbgemm": (register_layers(llm.model, integer_matmul=False), False)}
+    if has_matrix_tiles():
+        keys["tiles"] = (integer, True)
     print(describe_machine(environment()))
     print(f"{llm.setup}; {torch.get_num_threads()} threads; {args.context} committed tokens a cache\n")
     samples: dict[tuple[str, str], list[float]] = {}
@@ -86,7 +101,9 @@ def job(argv: list[str]) -> int:
         with progress(args.rounds, "rounds") as bar:
             for _ in range(args.rounds):
                 for name, make in kinds.items():
-                    for matmul, key in [*keys.items(), *([("eager", None)] if name.startswith("head") else [])]:
+                    for matmul, (key, tiles) in [*keys.items(),
+                                                 *([("eager", (None, False))] if name.startswith("head") else [])]:
+                        use_matrix_tiles(tiles)
                         times = []
                         for _ in range(args.reps):
                             run = make()
@@ -97,11 +114,15 @@ def job(argv: list[str]) -> int:
                 bar.update()
     table = {name: {m: 1e3 * statistics.median(times) for (n, m), times in samples.items() if n == name}
              for name in kinds}
-    print("| work | integer matmul, ms | fbgemm's call, ms | fbgemm / integer | eager, ms | eager / integer |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    use_matrix_tiles(False)
+    tiles = "tiles" in keys
+    print("| work | integer matmul, ms | fbgemm's call, ms | fbgemm / integer | eager, ms | eager / integer |"
+          + (" matrix tiles, ms | integer / tiles |" if tiles else ""))
+    print("| --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if tiles else ""))
     for name, ms in table.items():
         eager = f"{ms['eager']:.2f} | x{ms['eager'] / ms['integer']:.2f}" if "eager" in ms else " | "
-        print(f"| {name} | {ms['integer']:.2f} | {ms['fbgemm']:.2f} | x{ms['fbgemm'] / ms['integer']:.2f} | {eager} |")
+        print(f"| {name} | {ms['integer']:.2f} | {ms['fbgemm']:.2f} | x{ms['fbgemm'] / ms['integer']:.2f} | {eager} |"
+              + (f" {ms['tiles']:.2f} | x{ms['integer'] / ms['tiles']:.2f} |" if tiles else ""))
     print(json.dumps({"setup": llm.setup, "context": args.context, "ms": table, **environment()}))
     return 0
 

@@ -60,11 +60,36 @@ def test_the_operators_matmul_gives_fbgemms_bits_at_every_row_count(outputs: int
         pytest.skip("this processor has no integer dot products: fbgemm's call computes every matmul")
     generator = torch.Generator().manual_seed(outputs * inputs)
     weight = W7A8Linear(torch.randn(outputs, inputs, generator=generator))
-    for rows in [*range(1, 14), 31]:
+    for rows in [*range(1, 14), 16, 17, 31, 33]:  # tiles from 4 rows (kTileMinRows)
         x = torch.randn(rows, inputs, generator=generator) * torch.logspace(-3, 3, rows)[:, None]
         x[rows // 2] = 0.0
-        ours, fbgemms = ops.linear(x, weight.packed, False), ops.linear(x, weight.packed, True)
-        assert torch.equal(ours, fbgemms), (rows, (ours - fbgemms).abs().max().item())
+        fbgemms = ops.linear(x, weight.packed, True)
+        for tiles in {False, native_steps.has_matrix_tiles()}:
+            native_steps.use_matrix_tiles(tiles)
+            ours = ops.linear(x, weight.packed, False)
+            assert torch.equal(ours, fbgemms), (rows, tiles, (ours - fbgemms).abs().max().item())
+    native_steps.use_matrix_tiles(False)
+
+
+def test_on_matrix_tiles_a_native_step_has_the_bits_of_the_vector_loop() -> None:
+    """Where the processor has matrix tiles (AMX), a native step with its matmuls on them gives the logits and keys
+    of the same step on the vector loop, bit for bit, and its rows pass the load-time check (one-row, causal and
+    lookahead-shaped steps the same bits)."""
+    assert native_steps.load() is None
+    if not native_steps.has_matrix_tiles():
+        pytest.skip("this processor has no matrix tiles (AMX), or the kernel does not let this process use them")
+    model = native_model()
+    runs = []
+    for tiles in (False, True):
+        assert native_steps.use_matrix_tiles(tiles) == tiles
+        runs.append(step_eagerly_and_by(model, NativeSteps()))
+    try:
+        assert check_invariance(model, contexts=(5, 70))
+    finally:
+        native_steps.use_matrix_tiles(False)
+    (_, vector_logits), (_, vector_keys) = runs[0]
+    (_, tiles_logits), (_, tiles_keys) = runs[1]
+    assert torch.equal(vector_logits, tiles_logits) and torch.equal(vector_keys, tiles_keys)
 
 
 def test_the_operators_head_is_the_models_norm_and_head_with_the_same_bits_at_every_row_count() -> None:
@@ -206,6 +231,36 @@ def test_choose_steps_installs_native_steps_where_they_pass_and_measure_faster(t
     model.step_runner = None
     assert choose_steps(model, check_file).startswith("native steps")
     assert isinstance(model.step_runner, NativeSteps)
+
+
+def test_choose_steps_puts_native_matmuls_on_matrix_tiles_where_they_measure_faster(tmp_path, monkeypatch) -> None:
+    """Where the processor has matrix tiles, choose_steps times native steps with and without them, alternately,
+    and keeps them on where faster (the verdict kept: a later load turns them on again without measuring); where
+    they measure slower, off. The steps' name says which, so that their step costs are kept apart."""
+    assert native_steps.load() is None
+    if not native_steps.has_matrix_tiles():
+        pytest.skip("this processor has no matrix tiles (AMX), or the kernel does not let this process use them")
+    ops = torch.ops.minilade_native_layer
+    try:
+        for tiles_faster in (True, False):
+            def timed(model, sizes, **_):
+                native = isinstance(model.step_runner, NativeSteps)
+                per_row = (0.002 if ops.uses_matrix_tiles() == tiles_faster else 0.003) if native else 0.004
+                return {T: per_row * T for T in sizes}
+
+            monkeypatch.setattr(compile_policy, "measure_step_costs", timed)
+            model, check_file = w7a8_model(), tmp_path / f"invariance-{tiles_faster}.json"
+            on_tiles = " on matrix tiles" if tiles_faster else ""
+            assert choose_steps(model, check_file) == f"native steps{on_tiles} (18 ms for a 1- and an 8-row step, " \
+                                                      "eager 36)"
+            assert ops.uses_matrix_tiles() == tiles_faster
+            assert ("on matrix tiles" in model.step_runner.name) == tiles_faster  # step costs kept apart
+            native_steps.use_matrix_tiles(not tiles_faster)
+            monkeypatch.setattr(compile_policy, "measure_step_costs", None)  # the kept verdict
+            assert choose_steps(model, check_file).startswith(f"native steps{on_tiles} (")
+            assert ops.uses_matrix_tiles() == tiles_faster
+    finally:
+        native_steps.use_matrix_tiles(False)
 
 
 def test_choose_steps_says_why_when_the_operator_does_not_build_and_tries_compiled_steps(monkeypatch, capsys) -> None:

@@ -1,11 +1,12 @@
-"""scripts/bench/native_matmul.py: whole native passes and the output head with the operator's integer matmul and
-with fbgemm's call."""
+"""scripts/bench/native_matmul.py: whole native passes and the output head with the operator's integer matmul (on
+matrix tiles too, where the processor has them) and with fbgemm's call."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from minilade.native_steps import has_matrix_tiles
 from scripts.bench import native_matmul
 
 
@@ -23,4 +24,5 @@ def test_the_bench_times_both_kinds_of_pass_and_the_head_with_both_matmuls(tiny_
     assert record["context"] == 8 and "cpu_flags" in record and list(record["ms"]) == passes
     for name, ms in record["ms"].items():
         assert ms["integer"] > 0 and ms["fbgemm"] > 0, name
+        assert (ms.get("tiles", 0) > 0) == has_matrix_tiles(), name  # on matrix tiles where the processor has them
         assert (ms.get("eager", 0) > 0) == name.startswith("head"), name  # the head eagerly too
