@@ -24,7 +24,7 @@ from .invariance import RowTiledLinear
 from .masks import interleaved_step
 from .memo import read_table, write_entry
 from .model import Transformer
-from .native_steps import NativeSteps, unserved, use_matrix_tiles
+from .native_steps import NativeSteps, has_matrix_tiles, unserved, use_matrix_tiles
 from .native_steps import load as load_native
 from .saved_graphs import GRAPHS_FOLDER, compile_at_once
 
@@ -94,7 +94,8 @@ def kept_verdict(model: Transformer, check_file: str | Path | None) -> dict | No
 
 def verdict(model: Transformer, check_file: str | Path | None, name: str) -> dict:
     """Whether the model's step_runner (named `name` in the verdict) passes device.check_invariance, and the seconds
-    of a one-row plus an 8-row step after 128 tokens through it and eagerly: {"exact", "eager_s", name + "_s"}, kept in
+    of a one-row plus an 8-row step after 128 tokens through it and eagerly: {"exact", "eager_s", name + "_s"}, and
+    for native steps where the processor has matrix tiles, whether to use them (matrix_tiles_verdict); kept in
     check_file (kept_verdict) or measured now and kept there. Leaves the runner installed."""
     known = kept_verdict(model, check_file)
     if known is None:
@@ -105,7 +106,7 @@ def verdict(model: Transformer, check_file: str | Path | None, name: str) -> dic
             seconds[label] = sum(measure_step_costs(model, (1, 8), context=128, repeats=2).values())
         model.step_runner = runner
         known = {"exact": exact, "eager_s": seconds["eager"], f"{name}_s": seconds[name]}
-        if name == "native" and use_matrix_tiles(True):
+        if name == "native" and has_matrix_tiles():
             known.update(matrix_tiles_verdict(model))
         if check_file is not None:
             write_entry(check_file, cost_key(model), known)
@@ -118,7 +119,7 @@ TILE_ROUNDS = 3  # alternate measurements of native steps with and without matri
 def matrix_tiles_verdict(model: Transformer) -> dict:
     """Whether the model's native steps run faster with their matmuls on matrix tiles (native_steps.use_matrix_tiles:
     the same integer sums, a step's bits unchanged, which device.check_invariance checks here too): a one-row plus
-    an 8-row step timed TILE_ROUNDS times each way, alternately (the difference is some 5-15% on an AMX Xeon, within
+    an 8-row step timed TILE_ROUNDS times each way, alternately (on an AMX Xeon they differ by a few percent, within
     one measurement's noise on a shared machine). Leaves tiles off; returns {"matrix_tiles", "native_s"}."""
     exact = check_invariance(model)
     seconds: dict[bool, list[float]] = {False: [], True: []}

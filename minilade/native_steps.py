@@ -107,6 +107,7 @@ class NativeSteps:
         """The steps' name in kept keys: the sources, and whether the matmuls run on matrix tiles (the same bits,
         another step cost)."""
         return f"{self.sources} on matrix tiles" if uses_matrix_tiles() else self.sources
+
     # The prefill too (Transformer.forward): a prompt's rows then get the bits a decoding step would give them, so
     # that rows kept from an answer serve a later prompt exactly, and a prompt read in parts gets its whole bits.
     runs_prefill = True
