@@ -87,10 +87,14 @@ def unserved(model: Transformer) -> str | None:
 def load() -> str | None:
     """Build (once a machine: the source is compiled for its processor) and load the operator; None when it is
     loaded, else why not, in one line. -ffp-contract=off: no multiply-add is fused, so that a loop's vectorised body
-    and its scalar remainder round alike."""
+    and its scalar remainder round alike. -fno-trapping-math: no floating-point exception traps (none is enabled),
+    which lets the compiler vectorise loops with selects in them where the processor has no masked operations (AVX2:
+    attention's exponentials), computing the same IEEE operations, so the same bits (checked for every float input
+    of exp2_approx, and whole passes against a build without it)."""
     if hasattr(torch.ops.minilade_native_layer, "layers"):
         return None
-    return native.build("native_layer", SOURCE, ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+    return native.build("native_layer", SOURCE,
+                        ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math"],
                         what="native layer", for_processor=True)
 
 

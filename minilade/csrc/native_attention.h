@@ -40,20 +40,22 @@ CallCache layer_cache(const at::Tensor& k, const at::Tensor& v, int64_t layer) {
 template <int64_t G, int64_t B>
 void weighted_columns(const float* w, const Half* values, const int32_t* slots, int64_t n, int64_t slot_stride,
                       int64_t d, int64_t D, const float* inverse_total, float* out) {
-  Lanes sum[G][B] = {};
+  Lanes sum[G][B];
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t b = 0; b < B; ++b) sum[g][b] = zero_lanes();
+  }
   for (int64_t j = 0; j < n; ++j) {
     const Half* value = values + slots[j] * slot_stride + d;
     Lanes v[B];
     for (int64_t b = 0; b < B; ++b) v[b] = load(value + b * kLanes);
     for (int64_t g = 0; g < G; ++g) {
       const float weight = w[g * n + j];
-      for (int64_t b = 0; b < B; ++b) sum[g][b] = fused(Lanes{} + weight, v[b], sum[g][b]);
+      for (int64_t b = 0; b < B; ++b) sum[g][b] = fused(splat(weight), v[b], sum[g][b]);
     }
   }
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t b = 0; b < B; ++b) {
-      const Lanes mean = sum[g][b] * inverse_total[g];
-      std::memcpy(out + g * D + d + b * kLanes, &mean, sizeof mean);
+      store(out + g * D + d + b * kLanes, sum[g][b] * inverse_total[g]);
     }
   }
 }
@@ -72,21 +74,24 @@ void attend_heads(const float* q, const Half* keys, const Half* values, int64_t 
   for (int64_t first = 0; first < n; first += kLanes) {  // scores, kLanes slots at a time
     const int64_t m = std::min(kLanes, n - first);
     for (int64_t s = 0; s < kLanes; ++s) {
-      for (int64_t g = 0; g < G; ++g) partial[g][s] = Lanes{};
-      if (s >= m) continue;  // past the last slot: lanes of their own, never read
-      const Half* key = keys + slots[first + s] * key_stride;
-      prefetch_row(values + slots[first + s] * value_stride, D);  // for the weighted sums after the scores
-      if (first + s + kPrefetchSlots < n) prefetch_row(keys + slots[first + s + kPrefetchSlots] * key_stride, D);
-      int64_t i = 0;
-      for (; i + kLanes <= D; i += kLanes) {
-        const Lanes k = load(key + i);
-        for (int64_t g = 0; g < G; ++g) partial[g][s] = fused(load(q + g * D + i), k, partial[g][s]);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        for (int64_t l = 0; i + l < D; ++l) {
-          partial[g][s][l] = std::fma(q[g * D + i + l], static_cast<float>(key[i + l]), partial[g][s][l]);
+      Lanes acc[G];
+      for (int64_t g = 0; g < G; ++g) acc[g] = zero_lanes();
+      if (s < m) {  // past the last slot: lanes of their own, never read
+        const Half* key = keys + slots[first + s] * key_stride;
+        prefetch_row(values + slots[first + s] * value_stride, D);  // for the weighted sums after the scores
+        if (first + s + kPrefetchSlots < n) prefetch_row(keys + slots[first + s + kPrefetchSlots] * key_stride, D);
+        int64_t i = 0;
+        for (; i + kLanes <= D; i += kLanes) {
+          const Lanes k = load(key + i);
+          for (int64_t g = 0; g < G; ++g) acc[g] = fused(load(q + g * D + i), k, acc[g]);
+        }
+        if (i < D) {
+          float k[kLanes];
+          for (int64_t l = 0; i + l < D; ++l) k[l] = static_cast<float>(key[i + l]);
+          for (int64_t g = 0; g < G; ++g) acc[g] = fused_remainder(q + g * D + i, k, D - i, acc[g]);
         }
       }
+      for (int64_t g = 0; g < G; ++g) partial[g][s] = acc[g];
     }
     for (int64_t g = 0; g < G; ++g) {
       const Lanes scores = lane_sums(partial[g]) * scale;

@@ -17,31 +17,69 @@ namespace {
 constexpr int64_t kLanes = 16;  // the partial sums of every reduction
 constexpr float kLog2E = 1.4426950408889634f;
 
-// kLanes floats as one value (GCC's vector extension: one AVX-512 register, two AVX2 ones), and loads of one from
-// memory of any alignment.
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
-typedef float UnalignedLanes __attribute__((vector_size(kLanes * sizeof(float)), aligned(alignof(float))));
-
-inline Lanes load(const float* p) { return *reinterpret_cast<const UnalignedLanes*>(p); }
-
 // Keys and values are kept in the caches as IEEE half floats (half the bytes a pass reads), each rounded to the
 // nearest once, as it is written; a read widens kLanes of them to floats (exact).
 using Half = _Float16;
 
-inline Lanes load(const Half* p) {  // the processor's conversion instructions (the compiler's widen one at a time)
-  Lanes v;
-#if defined(__AVX512F__)
-  v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__F16C__)
-  const __m256 low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256 high = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  std::memcpy(&v, &low, sizeof low);
-  std::memcpy(reinterpret_cast<char*>(&v) + sizeof low, &high, sizeof high);
-#else
-  for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
-#endif
-  return v;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+// kLanes floats as one value: on AVX2, two registers of 8, lanes 0-7 and 8-15, each operation spelled out on both.
+// GCC compiles its vector extension at twice the register's width (the type below) into code that moves every fused
+// result and widened half through the stack and general registers; on these two registers attention runs several
+// times faster (perf on an AMD Zen 3), with the same operations lane by lane, so the same bits.
+struct Lanes {
+  __m256 lo, hi;
+};
+inline Lanes splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Lanes zero_lanes() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Lanes load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline Lanes load(const Half* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
+inline void store(float* p, Lanes v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline Lanes operator+(Lanes a, Lanes b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline Lanes operator*(Lanes a, Lanes b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Lanes operator*(Lanes a, float b) { return a * splat(b); }
+inline Lanes& operator+=(Lanes& a, Lanes b) { return a = a + b; }
+// a * b + c rounded once, lane by lane (as std::fma: the same bits in a loop's vector body and its scalar remainder).
+inline Lanes fused(Lanes a, Lanes b, Lanes c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+// The sum of the lanes, halved in a fixed tree: lanes l and l + 8, then l and l + 4, and so on.
+inline float lane_sum(Lanes v) {
+  const __m256 eights = _mm256_add_ps(v.lo, v.hi);
+  const __m128 fours = _mm_add_ps(_mm256_castps256_ps128(eights), _mm256_extractf128_ps(eights, 1));
+  const __m128 twos = _mm_add_ps(fours, _mm_movehl_ps(fours, fours));
+  return _mm_cvtss_f32(_mm_add_ss(twos, _mm_movehdup_ps(twos)));
+}
+// The lane sums of v[0..kLanes) (lane s of the result: lane_sum(v[s])).
+inline Lanes lane_sums(const Lanes* v) {
+  alignas(32) float sums[kLanes];
+  for (int64_t s = 0; s < kLanes; ++s) sums[s] = lane_sum(v[s]);
+  return load(sums);
+}
+#else
+// kLanes floats as one value (GCC's vector extension: one AVX-512 register), and loads of one from memory of any
+// alignment.
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+typedef float UnalignedLanes __attribute__((vector_size(kLanes * sizeof(float)), aligned(alignof(float))));
+
+inline Lanes splat(float x) { return Lanes{} + x; }
+inline Lanes zero_lanes() { return Lanes{}; }
+inline Lanes load(const float* p) { return *reinterpret_cast<const UnalignedLanes*>(p); }
+inline Lanes load(const Half* p) {  // the processor's conversion instructions (the compiler's widen one at a time)
+#if defined(__AVX512F__)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  Lanes v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+#endif
+}
+inline void store(float* p, Lanes v) { *reinterpret_cast<UnalignedLanes*>(p) = v; }
 
 // a * b + c rounded once, lane by lane (as std::fma: the same bits in a loop's vector body and its scalar remainder).
 inline Lanes fused(Lanes a, Lanes b, Lanes c) {
@@ -51,6 +89,51 @@ inline Lanes fused(Lanes a, Lanes b, Lanes c) {
   for (int64_t l = 0; l < kLanes; ++l) c[l] = std::fma(a[l], b[l], c[l]);
 #endif
   return c;
+}
+
+// The sum of the lanes, halved in a fixed tree: lanes l and l + 8, then l and l + 4, and so on.
+inline float lane_sum(Lanes v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  v += __builtin_shufflevector(v, v, 1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return v[0];
+}
+
+// The lane sums of v[0..kLanes) (lane s of the result: lane_sum(v[s])), each the same additions of the same pairs as
+// lane_sum's tree, so the same bits: four levels of two-register shuffles serve all kLanes sums at once.
+inline Lanes lane_sums(const Lanes* v) {
+  Lanes halves[8], quarters[4], eighths[2];
+  for (int p = 0; p < 8; ++p) {  // lanes l and l + 8 of v[2p] (into lanes 0-7) and of v[2p + 1] (8-15)
+    halves[p] = __builtin_shufflevector(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
+                                        23) +
+                __builtin_shufflevector(v[2 * p], v[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                        30, 31);
+  }
+  for (int p = 0; p < 4; ++p) {  // then l and l + 4 of each, four vectors' a register
+    quarters[p] = __builtin_shufflevector(halves[2 * p], halves[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19,
+                                          24, 25, 26, 27) +
+                  __builtin_shufflevector(halves[2 * p], halves[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23,
+                                          28, 29, 30, 31);
+  }
+  for (int p = 0; p < 2; ++p) {  // then l and l + 2, eight vectors' a register
+    eighths[p] = __builtin_shufflevector(quarters[2 * p], quarters[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                         21, 24, 25, 28, 29) +
+                 __builtin_shufflevector(quarters[2 * p], quarters[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                         23, 26, 27, 30, 31);
+  }
+  return __builtin_shufflevector(eighths[0], eighths[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(eighths[0], eighths[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+#endif
+
+// v with a[l] * b[l] added to each of its first n lanes (n < kLanes), each rounded once (std::fma): a sum's
+// remainder past its last whole kLanes, in the lanes the vector body would have used.
+inline Lanes fused_remainder(const float* a, const float* b, int64_t n, Lanes v) {
+  alignas(64) float lanes[kLanes];
+  store(lanes, v);
+  for (int64_t l = 0; l < n; ++l) lanes[l] = std::fma(a[l], b[l], lanes[l]);
+  return load(lanes);
 }
 
 // Ask for the cache lines of a row of D halves ahead of its reads: a row's keys and values are short runs of memory
@@ -66,21 +149,17 @@ inline void store_halves(const float* __restrict from, Half* __restrict to, int6
   for (int64_t i = 0; i < n; ++i) to[i] = static_cast<Half>(from[i]);
 }
 
-// The sum of the lanes, halved in a fixed tree: lanes l and l + 8, then l and l + 4, and so on.
-inline float lane_sum(Lanes v) {
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  v += __builtin_shufflevector(v, v, 1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  return v[0];
-}
-
 // Sum of a[i] * b[i], i < n: kLanes partial sums (lane i % kLanes), then lane_sum.
 inline float dot(const float* a, const float* b, int64_t n) {
-  Lanes acc = {};
+  Lanes acc = zero_lanes();
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) acc += load(a + i) * load(b + i);
-  for (int64_t l = 0; i + l < n; ++l) acc[l] += a[i + l] * b[i + l];
+  if (i < n) {
+    alignas(64) float lanes[kLanes];
+    store(lanes, acc);
+    for (int64_t l = 0; i + l < n; ++l) lanes[l] += a[i + l] * b[i + l];
+    acc = load(lanes);
+  }
   return lane_sum(acc);
 }
 
@@ -114,32 +193,6 @@ inline float exp2_approx(float x) {
   p = p * f + 1.0f;
   const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(k) + 127) << 23);
   return x < -126.0f ? 0.0f : p * scale;
-}
-
-// The lane sums of v[0..kLanes) (lane s of the result: lane_sum(v[s])), each the same additions of the same pairs as
-// lane_sum's tree, so the same bits: four levels of two-register shuffles serve all kLanes sums at once.
-inline Lanes lane_sums(const Lanes* v) {
-  Lanes halves[8], quarters[4], eighths[2];
-  for (int p = 0; p < 8; ++p) {  // lanes l and l + 8 of v[2p] (into lanes 0-7) and of v[2p + 1] (8-15)
-    halves[p] = __builtin_shufflevector(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
-                                        23) +
-                __builtin_shufflevector(v[2 * p], v[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                                        30, 31);
-  }
-  for (int p = 0; p < 4; ++p) {  // then l and l + 4 of each, four vectors' a register
-    quarters[p] = __builtin_shufflevector(halves[2 * p], halves[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19,
-                                          24, 25, 26, 27) +
-                  __builtin_shufflevector(halves[2 * p], halves[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23,
-                                          28, 29, 30, 31);
-  }
-  for (int p = 0; p < 2; ++p) {  // then l and l + 2, eight vectors' a register
-    eighths[p] = __builtin_shufflevector(quarters[2 * p], quarters[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
-                                         21, 24, 25, 28, 29) +
-                 __builtin_shufflevector(quarters[2 * p], quarters[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
-                                         23, 26, 27, 30, 31);
-  }
-  return __builtin_shufflevector(eighths[0], eighths[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(eighths[0], eighths[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 // The largest of a[0..n) (exact in any order; kLanes partial maxima so that the compiler vectorises it).
