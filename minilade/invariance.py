@@ -51,8 +51,8 @@ LOG2_E = 1.4426950408889634  # attention's scores are scaled by it and exponenti
 # Raised whenever the step's kernels change (how they round, or what they cost): what a machine keeps about them
 # (step costs, invariance verdicts: decoding/step_costs.cost_key) is then measured again. 2: base-2 softmax;
 # 3: reduced-precision matmuls on the CPU on two rows at least (REDUCED_MIN_ROWS); 4: scores summed over the head
-# width in pieces (key_scores).
-KERNELS_VERSION = 4
+# width in pieces (key_scores); 5: native steps' attention on AVX2 in two registers a value (what a row costs there).
+KERNELS_VERSION = 5
 PREFILL_ROWS = 256  # a prefill's query rows attend in blocks of this many (CausalPrefill)
 
 
