@@ -76,7 +76,7 @@ void attend_heads(const float* q, const Half* keys, const Half* values, int64_t 
     for (int64_t s = 0; s < kLanes; ++s) {
       Lanes acc[G];
       for (int64_t g = 0; g < G; ++g) acc[g] = zero_lanes();
-      if (s < m) {  // past the last slot: lanes of their own, never read
+      if (s < m) {  // a slot past the last keeps zero lanes of its own, never read
         const Half* key = keys + slots[first + s] * key_stride;
         prefetch_row(values + slots[first + s] * value_stride, D);  // for the weighted sums after the scores
         if (first + s + kPrefetchSlots < n) prefetch_row(keys + slots[first + s + kPrefetchSlots] * key_stride, D);
