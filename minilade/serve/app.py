@@ -82,7 +82,8 @@ class Service:
                             history=history, prefill_chunk=self.limits.prefill_chunk)
             engine.start()
             self.served, self.engine = served, engine
-            log.warning("minilade.serve: ready, serving %s", self.model_id)
+            log.warning("minilade.serve: ready, serving %s: %s; requests' decoding steps in %s", self.model_id,
+                        served.llm.setup, engine.sharing)
         except Exception as error:  # noqa: BLE001 -- a model that does not load ends the server, in one line
             self.load_error = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
             log.error("minilade.serve: cannot load the model: %s", self.load_error)
