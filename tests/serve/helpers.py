@@ -20,9 +20,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 CONTEXT = 512
 API_KEY = "test-key"
-# The longest a server may take to load and measure its tables: a compiled model's first start on a machine also
-# compiles its steps' and shared passes' graphs (some 60 s for the demo model on 2 cores, twice that beside other
-# tests: 120 s was exceeded in a full run).
+# The longest a server may take to load and measure its tables: a first start on a machine also builds the native
+# operator or compiles graphs (a compiled demo model's steps and shared passes took some 60 s on 2 cores, twice that
+# beside other tests: 120 s was exceeded in a full run).
 START_S = 300
 
 
