@@ -6,7 +6,8 @@ generations could run one after another, each its own graph; `SharedPasses` runs
 - one-row calls (plain decoding, and auto between drafts), the most of a server's: one pass over a pool of their
   caches (cache_pool.py, pool_step.py), in which each layer runs every call's row through one graph, attention
   included;
-- wider calls (drafted steps): groups of at most GROUP calls, each group one compiled.pass_layer_step a layer that
+- wider calls (drafted steps): groups of at most GROUP calls (at most as many as the generations that run at once),
+  each group one compiled.pass_layer_step a layer that
   reads the layer's weights once for all and has each call attend over its own cache with its own layout. Measured
   on the demo model (w7a8, 2 cores, outside the repository): two 4-row calls 35 ms against 51 one after another.
 
@@ -48,7 +49,8 @@ class SharedPasses:
     """Runs the compiled calls of a pass in shared passes (module docstring), for a model whose steps are compiled
     graphs kept in a folder (CompiledSteps with graphs)."""
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, largest_group: int = GROUP) -> None:
+        """largest_group: wider calls in a group at most (2 to GROUP), the kinds of group graph compiled."""
         runner = model.step_runner
         if not isinstance(runner, CompiledSteps) or runner.graphs is None:
             raise ValueError("shared compiled passes need the model's steps compiled and kept in a folder")
@@ -56,25 +58,28 @@ class SharedPasses:
         self.graphs = SavedGraphs(runner.graphs, f"{cost_key(model)}|pass", traced=pass_layer_step,
                                   mark=mark_pass_sizes)
         self.pool = CachePool(model)
+        self.largest_group = largest_group
         self.refused: set[str] = set()  # kinds whose graph refused a pass (unless_refused)
         # A pool pass of k >= 2 one-row calls costs (base + per_call * k) one-row steps; each wider call of a group
         # but the dearest, group_share of its step alone (measure_passes, in checked).
         self.pool_costs, self.group_share = (1.0, 0.5), 1.0
 
     @classmethod
-    def checked(cls, model: Transformer) -> SharedPasses | None:
-        """SharedPasses for the model where a pool pass of three one-row probe calls and a group of two wider ones
-        give each call its own step's logits and cache rows bit for bit, else None (with a line saying so); None
-        at once where the model's steps are not compiled graphs kept in a folder."""
+    def checked(cls, model: Transformer, max_calls: int = GROUP) -> SharedPasses | None:
+        """SharedPasses for the model, for passes of at most max_calls calls (the generations that run at once),
+        where a pool pass of three one-row probe calls and a group of two wider ones give each call its own step's
+        logits and cache rows bit for bit, else None (with a line saying so); None at once where the model's steps
+        are not compiled graphs kept in a folder, or where max_calls < 2 (no pass is shared)."""
         runner = model.step_runner
-        if not isinstance(runner, CompiledSteps) or runner.graphs is None:
+        if not isinstance(runner, CompiledSteps) or runner.graphs is None or max_calls < 2:
             return None
-        if probe_positions(GROUP, 3) > model.config.max_seq_len:
+        largest_group = min(GROUP, max_calls)
+        if probe_positions(largest_group, 3) > model.config.max_seq_len:
             print(f"minilade: served requests' compiled steps run one after another (the model's context of "
                   f"{model.config.max_seq_len} positions cannot hold the probe calls that compiled passes are traced "
                   f"from)", file=sys.stderr)
             return None
-        passes = cls(model)
+        passes = cls(model, largest_group)
         pool_calls, hole = probe_calls(model, 3, 1), probe_calls(model, 1, 1)[0].cache
         with torch.inference_mode():  # the mode of the engine's passes, in which the graphs are kept
             # in slots 0, 2 and 3 of the pool: slot 1 held by a cache without a call in the pass
@@ -108,7 +113,7 @@ class SharedPasses:
         eager_rows in parts of their prompts, by the rows this one feeds, one call's step alone costing costs(rows),
         the passes as groups() makes them: the pool's pass where two one-row calls or more share it (pool_costs,
         over a slot for every decoding generation: one whose call is wider keeps its slot and goes along with a
-        dummy row), a lone one-row call its own step; the wider calls in groups of up to GROUP (group_cost); the
+        dummy row), a lone one-row call its own step; the wider calls in groups of up to largest_group (group_cost); the
         prompts' parts, one eager pass of all their rows. A lone generation costs its own step."""
         prompts = costs(sum(eager_rows)) if eager_rows else 0.0
         if not other_rows:
@@ -117,8 +122,9 @@ class SharedPasses:
         pool = costs(1) * (base + per_call * (len(other_rows) + 1))
         ones = sum(r == 1 for r in other_rows)  # the others' one-row calls
         wider = [costs(r) for r in other_rows if r > 1]
-        full = len(wider) - len(wider) % GROUP  # the others' calls in full groups; a wider call joins the rest
-        fixed = prompts + sum(self.group_cost(wider[i:i + GROUP]) for i in range(0, full, GROUP))
+        size = self.largest_group
+        full = len(wider) - len(wider) % size  # the others' calls in full groups; a wider call joins the rest
+        fixed = prompts + sum(self.group_cost(wider[i:i + size]) for i in range(0, full, size))
         rest = wider[full:]
         plain = fixed + (pool if ones else costs(1)) + self.group_cost(rest)
         drafted = fixed + (pool if ones > 1 else costs(1) if ones else 0.0)
@@ -132,16 +138,17 @@ class SharedPasses:
     def compile_missing(self, model: Transformer, pool_calls: list[ForwardCall]) -> None:
         """Compile every kind of pass not kept yet, at once (saved_graphs.compile_at_once: about half the time), each
         from probe calls of unequal sizes: the pool's from pool_calls (one-row, their caches in the pool), groups of 2
-        to GROUP wider calls from probe_calls."""
+        to largest_group wider calls from probe_calls."""
         jobs = []
-        for n in range(GROUP, 1, -1):  # the largest first: the two processes take the kinds in turn
+        for n in range(self.largest_group, 1, -1):  # the largest first: the two processes take the kinds in turn
             if not self.graphs.kept(self.kind(n)):
                 x, cos, sin, steps = self.pass_inputs(model, probe_calls(model, n, 3))
                 jobs.append((self.graphs, self.kind(n), layer_args(model.layers[0], x, cos, sin, steps, 0)))
         if not self.pool.graphs.kept(self.pool.kind()):
             slots = self.pool.place([c.cache for c in pool_calls])
             jobs.append((self.pool.graphs, self.pool.kind(), self.pool.pass_args(pool_calls, slots)))
-        compile_at_once(jobs, f"shared passes (one-row calls over a cache pool; groups of 2 to {GROUP} wider calls)")
+        compile_at_once(jobs, f"shared passes (one-row calls over a cache pool; groups of 2 to {self.largest_group} "
+                              f"wider calls)")
 
     @staticmethod
     def kind(n: int) -> str:
@@ -149,13 +156,13 @@ class SharedPasses:
         return modes_kind(f"passes of {n} wider calls")
 
     def kinds(self) -> list[str]:
-        """Every kind of graph a group of wider calls may need (2 to GROUP calls)."""
-        return [self.kind(n) for n in range(2, GROUP + 1)]
+        """Every kind of graph a group of wider calls may need (2 to largest_group calls)."""
+        return [self.kind(n) for n in range(2, self.largest_group + 1)]
 
     def __call__(self, model: Transformer, calls: list[ForwardCall]) -> list[torch.Tensor]:
         """Logits of each call, (1, R_i, V), as its own compiled step gives them: one pass a group (groups)."""
         logits: list[torch.Tensor | None] = [None] * len(calls)
-        for group in groups([call.tokens.shape[1] for call in calls]):
+        for group in self.groups([call.tokens.shape[1] for call in calls]):
             for i, result in zip(group, self.run_group(model, [calls[i] for i in group])):
                 logits[i] = result
         return logits
@@ -203,10 +210,9 @@ class SharedPasses:
             self.refused.add(kind)
             return one_after_another(model, calls)
 
-    @staticmethod
-    def groups(rows: list[int]) -> list[list[int]]:
+    def groups(self, rows: list[int]) -> list[list[int]]:
         """Indices of the compiled calls of `rows` rows each, in the passes that run them (the module's groups)."""
-        return groups(rows)
+        return groups(rows, self.largest_group)
 
     def release(self, cache: KVCache) -> None:
         """A finished generation's cache leaves the pool (cache_pool.CachePool.release)."""
@@ -224,13 +230,13 @@ class SharedPasses:
 def measure_passes(model: Transformer, passes: SharedPasses, repeats: int = 5) -> tuple[tuple[float, float], float]:
     """((base, per_call), group_share): a pool pass of k one-row calls costs (base + per_call * k) one-row steps,
     and each wider call of a group but the dearest group_share of its step alone (SharedPasses.group_cost). From
-    the median times of pool passes of two and four one-row calls, a one-row step alone, a group of GROUP
+    the median times of pool passes of two and four one-row calls, a one-row step alone, a group of largest_group
     lookahead-shaped calls of MEASURED_ROWS rows and those calls alone, measured round-robin after a warm-up round.
     Every call reads a cache of the same length (that of step_costs' measured steps, where the context holds it),
     since a pool pass attends over its widest slot's length: from calls over caches of unequal lengths, the pass of
     four would also pay for a wider slot, and per_call come out 1.5-2x what a slot costs."""
     past = max(1, min(MEASURED_CONTEXT, model.config.max_seq_len - MEASURED_ROWS - PROBE_ROOM))
-    ones, wider = calls_over(model, [(past, 1)] * 4), calls_over(model, [(past, MEASURED_ROWS)] * GROUP)
+    ones, wider = calls_over(model, [(past, 1)] * 4), calls_over(model, [(past, MEASURED_ROWS)] * passes.largest_group)
     runs = {"alone": lambda: one_after_another(model, ones[:1]), "two": lambda: passes.pool.run(ones[:2]),
             "four": lambda: passes.pool.run(ones), "group": lambda: passes.run_group(model, wider),
             "steps": lambda: one_after_another(model, wider)}
@@ -246,7 +252,7 @@ def measure_passes(model: Transformer, passes: SharedPasses, repeats: int = 5) -
         passes.pool.release(call.cache)
     one, two, four, group, steps = (sorted(seconds[name])[repeats // 2] for name in runs)
     per_call = max(0.0, (four - two) / 2 / one)  # not below 0 where a noisy machine says so
-    step = steps / GROUP  # the calls are of one size
+    step = steps / passes.largest_group  # the calls are of one size
     return (max(0.0, two / one - 2 * per_call), per_call), min(1.0, max(0.0, (group - step) / (steps - step)))
 
 
@@ -309,9 +315,9 @@ def probe_positions(n: int, rows: int) -> int:
     return past + T + PROBE_ROOM
 
 
-def groups(rows: list[int]) -> list[list[int]]:
+def groups(rows: list[int], largest: int = GROUP) -> list[list[int]]:
     """Indices of calls of `rows` rows each, in the passes that run them: every one-row call in one (the pool's),
-    then the wider ones, at most GROUP a pass."""
+    then the wider ones, at most `largest` a pass."""
     one_row = [i for i, T in enumerate(rows) if T == 1]
     wider = [i for i, T in enumerate(rows) if T > 1]
-    return ([one_row] if one_row else []) + [wider[start:start + GROUP] for start in range(0, len(wider), GROUP)]
+    return ([one_row] if one_row else []) + [wider[start:start + largest] for start in range(0, len(wider), largest)]

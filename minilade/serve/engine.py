@@ -190,7 +190,7 @@ class Engine:
         # Where the model's steps are native or compiled, its decoding calls run in passes of their own
         # (native_pass.py, compiled_pass.py, where checked exact), whose cost their pass_cost says; else one after
         # another, and greedy auto generations plan as alone.
-        self.shared_passes = NativePasses.checked(llm.model) or SharedPasses.checked(llm.model)
+        self.shared_passes = NativePasses.checked(llm.model) or SharedPasses.checked(llm.model, max_concurrent)
         self.plan_together = plan_together and (llm.model.step_runner is None or self.shared_passes is not None)
         self.pass_cost = self.shared_passes.pass_cost if self.shared_passes is not None else rows_together
         self.sharing = ("native passes" if isinstance(self.shared_passes, NativePasses)

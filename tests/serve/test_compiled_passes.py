@@ -181,7 +181,7 @@ def test_a_context_too_short_for_the_probes_leaves_compiled_calls_one_after_anot
     the tiny model's 512 positions)."""
     monkeypatch.setattr(compiled_pass, "GROUP", 8)
     assert compiled_pass.probe_positions(8, 3) > llm.model.config.max_seq_len
-    assert SharedPasses.checked(llm.model) is None
+    assert SharedPasses.checked(llm.model, max_calls=8) is None
     assert "cannot hold the probe calls" in capsys.readouterr().err
 
 
@@ -213,6 +213,20 @@ def test_a_pass_groups_calls_of_one_kind():
     """Every one-row call in the pool's pass, wider calls in groups of at most GROUP."""
     assert groups([1, 4, 1, 1, 3, 1, 1, 1]) == [[0, 2, 3, 5, 6, 7], [1, 4]]
     assert groups([2] * 9) == [list(range(GROUP)), list(range(GROUP, 2 * GROUP)), [8]]
+    assert groups([2] * 5, largest=2) == [[0, 1], [2, 3], [4]]
+
+
+def test_passes_for_fewer_generations_compile_no_larger_groups(llm):
+    """A server that runs at most two generations at once has groups of two wider calls at most: it asks for no
+    graph of larger groups (each kind takes some 10-25 s to compile for the demo model) and plans with groups of
+    two; one that runs one generation at a time shares no pass."""
+    passes = SharedPasses.checked(llm.model, max_calls=2)
+    assert passes.kinds() == [SharedPasses.kind(2)]
+    assert passes.groups([2, 3, 2, 1]) == [[3], [0, 1], [2]]
+    passes.group_share = 0.5
+    step = {1: 2.0, 4: 3.0, 8: 5.0}.__getitem__
+    assert passes.pass_cost([8, 8], [], step)(4) == pytest.approx(5.0 + 0.5 * 5.0 + 3.0)  # a group of its own
+    assert SharedPasses.checked(llm.model, max_calls=1) is None
 
 
 def test_concurrent_answers_equal_alone_through_compiled_steps(llm):
