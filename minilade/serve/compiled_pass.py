@@ -6,10 +6,10 @@ generations could run one after another, each its own graph; `SharedPasses` runs
 - one-row calls (plain decoding, and auto between drafts), the most of a server's: one pass over a pool of their
   caches (cache_pool.py, pool_step.py), in which each layer runs every call's row through one graph, attention
   included;
-- wider calls (drafted steps): groups of at most GROUP calls (at most as many as the generations that run at once),
-  each group one compiled.pass_layer_step a layer that
-  reads the layer's weights once for all and has each call attend over its own cache with its own layout. Measured
-  on the demo model (w7a8, 2 cores, outside the repository): two 4-row calls 35 ms against 51 one after another.
+- wider calls (drafted steps): groups of at most GROUP calls (and no more than the generations that run at once),
+  each group one compiled.pass_layer_step a layer that reads the layer's weights once for all and has each call
+  attend over its own cache with its own layout. Measured on the demo model (w7a8, 2 cores, outside the
+  repository): two 4-row calls 35 ms against 51 one after another.
 
 A graph serves one kind of pass: the pool's, or a group of so many wider calls. Each kind is compiled once per
 machine (some 10-25 s for the demo model on 2 cores), every kind not kept yet when the engine starts, half of them
