@@ -49,6 +49,8 @@ class SharedPasses:
     """Runs the compiled calls of a pass in shared passes (module docstring), for a model whose steps are compiled
     graphs kept in a folder (CompiledSteps with graphs)."""
 
+    what = "compiled passes"  # for the user
+
     def __init__(self, model: Transformer, largest_group: int = GROUP) -> None:
         """largest_group: wider calls in a group at most (2 to GROUP), the kinds of group graph compiled."""
         runner = model.step_runner

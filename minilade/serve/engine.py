@@ -193,10 +193,8 @@ class Engine:
         self.shared_passes = NativePasses.checked(llm.model) or SharedPasses.checked(llm.model, max_concurrent)
         self.plan_together = plan_together and (llm.model.step_runner is None or self.shared_passes is not None)
         self.pass_cost = self.shared_passes.pass_cost if self.shared_passes is not None else rows_together
-        self.sharing = ("native passes" if isinstance(self.shared_passes, NativePasses)
-                        else "compiled passes" if self.shared_passes is not None
-                        else "eager passes" if llm.model.step_runner is None
-                        else "their own steps, one after another")  # how requests' decoding steps run, for the user
+        self.sharing = self.shared_passes.what if self.shared_passes is not None else (  # for the user
+            "eager passes" if llm.model.step_runner is None else "their own steps, one after another")
         self.history, self.plans = history, PassPlans()
         self.prefill_chunk = prefill_chunk
         self.split_prefills = splits_exactly(llm.model)  # from kept rows and in chunks (prefill.py)

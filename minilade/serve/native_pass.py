@@ -30,6 +30,8 @@ class NativePasses:
     """Runs the calls of a pass as one native pass (module docstring), for a model whose steps are native.
     It has the engine's interface to shared passes (compiled_pass.SharedPasses has the same)."""
 
+    what = "native passes"  # for the user
+
     @classmethod
     def checked(cls, model: Transformer) -> NativePasses | None:
         """NativePasses where a pass of probe calls of 1, 3 and 2 rows gives each call its own step's logits and cache
