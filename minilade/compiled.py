@@ -35,7 +35,7 @@ from . import attention_op
 from .decoding.step_costs import cost_key
 from .errors import one_line
 from .frame_stack import on_fresh_frame_chunk
-from .integer_linear import W7A8Linear, load_native_matmul
+from .integer_linear import W7A8Linear, load_native_matmul, pack_layers
 from .invariance import (
     KEY_CHUNK,
     LOG2_E,
@@ -400,6 +400,7 @@ def compile_steps(model: Transformer, graphs: Path | None = None) -> Transformer
     if missing:
         print(f"minilade: compiled steps attend through torch operations ({missing})", file=sys.stderr)
     if any(isinstance(module, W7A8Linear) for module in model.modules()):
+        pack_layers(model)  # a graph's w7a8 matmul finds a layer's packing by its scales: packed before any runs
         missing = load_native_matmul()
         if missing:
             print(f"minilade: w7a8 matmuls in compiled steps call their Python body ({missing})", file=sys.stderr)

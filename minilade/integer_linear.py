@@ -24,18 +24,16 @@ Why this shape of quantization:
   measured closer to the float model than the other way round (docs/benchmarks.md: perplexity).
 - The sum stays exact in float32 up to K = 2^24 / (128 x 64) = 2048 inputs; a longer row rounds it once, the same
   way at every row count.
-Memory: one byte a weight (the int4 layers of quant.py take about 0.6). The packed weight is fbgemm's own object,
-not a tensor: it is not in the module's state_dict.
+Memory: one byte a weight (the int4 layers of quant.py take about 0.6). The codes, and fbgemm's packing of them
+(its own object, not a tensor), are not in the module's state_dict.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -48,7 +46,8 @@ ACTIVATION_LEVELS = 127  # activation codes in [-127, 127], handed to the kernel
 ZERO_POINT = 128
 _KERNEL = "linear_with_input_q_dq_qweight_dq_output_fp32"
 TINY = torch.finfo(torch.float32).tiny
-PACKERS, IN_FLIGHT = 2, 4  # pack_weights: threads packing, and weights handed to them at once
+PACKERS = 2  # threads packing layers' codes for fbgemm at once (pack_layers)
+ROUNDING_BLOCK = 1 << 21  # weights rounded to codes at a time (w7a8_codes)
 
 
 def w7a8_missing() -> str | None:
@@ -62,45 +61,43 @@ def w7a8_missing() -> str | None:
 
 def w7a8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight (N, K) float -> codes (N, K) int8 in [-63, 63] and scales (N,) float32: symmetric round-to-nearest
-    per output channel."""
-    w = weight.detach().float()
-    largest = torch.linalg.vector_norm(w, float("inf"), dim=1)  # max |w| per row, with no |w| copy of the weight
+    per output channel. Rounded ROUNDING_BLOCK values at a time through one float32 buffer: a whole weight's
+    temporaries (an output head's are 100 MB) cost more in fresh pages than the arithmetic (5x, measured)."""
+    w = weight.detach()
+    # max |w| per row, with no |w| copy of the weight; rounding to float32 is monotonic, so taken before or after
+    largest = torch.maximum(w.amax(dim=1), w.amin(dim=1).neg()).float()
     scales = (largest / WEIGHT_LEVELS).clamp_min(TINY)
-    codes = w.div(scales[:, None]).round_().clamp_(-WEIGHT_LEVELS, WEIGHT_LEVELS).to(torch.int8)
+    codes = torch.empty(w.shape, dtype=torch.int8)
+    rows = max(1, ROUNDING_BLOCK // max(1, w.shape[1]))
+    buffer = torch.empty(min(rows, w.shape[0]), w.shape[1])
+    for a in range(0, w.shape[0], rows):
+        part = w[a:a + rows].float()
+        rounded = torch.div(part, scales[a:a + rows, None], out=buffer[:part.shape[0]]).round_()
+        codes[a:a + rows] = rounded.clamp_(-WEIGHT_LEVELS, WEIGHT_LEVELS)
     return codes, scales
 
 
-class PackedWeight(NamedTuple):
-    """A weight's w7a8 codes in fbgemm's packed layout, with their scales (N,) and the weight's K."""
-
-    packed: torch.ScriptObject
-    scales: torch.Tensor
-    in_features: int
-
-
-def pack_weight(codes: torch.Tensor, scales: torch.Tensor) -> PackedWeight:
-    """w7a8_codes' codes (N, K) and scales (N,) packed for the kernel: on one core, with the GIL released (about
-    5 ns a weight), so several threads can pack at once."""
+def pack_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.ScriptObject:
+    """w7a8_codes' codes (N, K) and scales (N,) packed for fbgemm's kernel: on one core, with the GIL released (about
+    5 ns a weight), so several threads can pack at once (pack_layers)."""
     with warnings.catch_warnings():  # quantized tensors are deprecated as a user-facing type, not the kernel
         warnings.simplefilter("ignore")
         qweight = torch._make_per_channel_quantized_tensor(codes, scales.double(),
                                                            torch.zeros_like(scales, dtype=torch.long), 0)
-        return PackedWeight(torch.ops.quantized.linear_prepack(qweight, None), scales, codes.shape[1])
+        return torch.ops.quantized.linear_prepack(qweight, None)
 
 
-def pack_weights(weights: Iterable[torch.Tensor]) -> Iterator[PackedWeight]:
-    """pack_weight(*w7a8_codes(w)) of each weight, in order: each rounded to codes on this thread while PACKERS
-    threads pack the ones before (fewer if torch has fewer threads); 0.7 s of packing on one core for the demo
-    model. `weights` is read at most IN_FLIGHT weights ahead of what was yielded (a generator of dequantized weights
-    keeps only a few alive)."""
-    in_flight: deque[Future[PackedWeight]] = deque()
+def pack_layers(model: nn.Module) -> None:
+    """Pack the codes of every w7a8 layer of the model that has not packed them yet (W7A8Linear.packed), on PACKERS
+    threads (fewer if torch has fewer threads), largest first so that packing does not end on one thread with a big
+    output head alone: 0.7 s of packing on one core for the demo model. Before a model runs its layers through
+    fbgemm (eager or compiled steps); native steps never need it."""
+    layers = sorted((m for m in model.modules() if isinstance(m, W7A8Linear) and m.unpacked),
+                    key=lambda m: -m.weight_bytes())
     with ThreadPoolExecutor(max(1, min(PACKERS, torch.get_num_threads())), thread_name_prefix="w7a8") as pool:
-        for weight in weights:
-            in_flight.append(pool.submit(pack_weight, *w7a8_codes(weight)))
-            if len(in_flight) == IN_FLIGHT:
-                yield in_flight.popleft().result()
-        while in_flight:
-            yield in_flight.popleft().result()
+        packed = list(pool.map(lambda layer: pack_weight(layer.codes, layer.weight_scales), layers))
+    for layer, packing in zip(layers, packed):
+        layer.take_packing(packing)
 
 
 # fbgemm's packed weight is an object a compiled graph cannot hold. Inside one, a layer's matmul is the operator
@@ -162,43 +159,73 @@ class W7A8Linear(nn.Module):
     """y = x @ W.T + b with W in 7-bit codes and each row of x rounded to 8-bit codes (see the module docstring).
 
     x: (..., K) in any float dtype, computed in float32; y: (..., N) in x's dtype. A row's result depends only on
-    that row."""
+    that row.
 
-    def __init__(self, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> None:
-        """weight: (N, K) float, or its codes packed already (pack_weight; loading packs on several threads)."""
+    The layer holds its codes (N, K) int8 until it first runs through fbgemm, which packs them (`packed`, or
+    pack_layers for a whole model on several threads) and keeps only its packing: native steps lay the codes out
+    themselves (native_steps.register_layers), so a model they run never packs for fbgemm."""
+
+    def __init__(self, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None = None
+                 ) -> None:
+        """weight: (N, K) float, or its codes and scales already (w7a8_codes)."""
         super().__init__()
         missing = w7a8_missing()
         if missing:
             raise ValueError(f"w7a8 layers need fbgemm: {missing}")
-        self.packed, scales, self.in_features = weight if isinstance(weight, PackedWeight) else pack_weight(
-            *w7a8_codes(weight))
-        self.out_features = scales.shape[0]
+        self.codes, scales = weight if isinstance(weight, tuple) else w7a8_codes(weight)
+        self._packed: torch.ScriptObject | None = None
+        self.out_features, self.in_features = self.codes.shape
         self.kernel = getattr(torch.ops.quantized, _KERNEL).default  # looked up once: it costs microseconds a call
         self.register_buffer("weight_scales", scales, persistent=False)  # (N,): the operator's key and shape
         self._register()
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
+    @property
+    def unpacked(self) -> bool:
+        """Whether the layer holds its codes unpacked (not yet run through fbgemm, nor handed to native steps)."""
+        return self.codes is not None
+
+    @property
+    def handed_over(self) -> bool:
+        """Whether the layer let go of its codes to native steps (hand_over): it holds neither codes nor packing."""
+        return self.codes is None and self._packed is None
+
+    @property
+    def packed(self) -> torch.ScriptObject:
+        """fbgemm's packing of the layer's codes, packed at the first call that needs it."""
+        if self._packed is None:
+            if self.handed_over:
+                raise RuntimeError("this w7a8 layer's codes were handed to native steps (native_steps.take_over): it "
+                                   "runs only inside them")
+            self.take_packing(pack_weight(self.codes, self.weight_scales))
+        return self._packed
+
+    def take_packing(self, packed: torch.ScriptObject) -> None:
+        """Keep fbgemm's packing of the codes (pack_weight) in their place."""
+        self._packed, self.codes = packed, None
+        self._register()
+
     def _register(self) -> None:
-        """Be found by w7a8_matmul under the storage of weight_scales (again whenever a copy or a move makes one), by
-        its C++ body too where it runs (forgotten there when the layer goes). A copy with fake tensors (what a saved
-        graph's guards unpickle, saved_graphs.SavedGraphs) has no storage to key."""
-        if isinstance(self.weight_scales, FakeTensor) or self.packed is None:
+        """Be found by w7a8_matmul under the storage of weight_scales (again whenever a copy or a move makes one),
+        by its C++ body too once the codes are packed (forgotten there when the layer goes). A copy with fake tensors
+        (what a saved graph's guards unpickle, saved_graphs.SavedGraphs) has no storage to key."""
+        if isinstance(self.weight_scales, FakeTensor) or self.handed_over:
             return
         address = self.weight_scales.data_ptr()
         _LAYERS[address] = self
-        if _BODY is None:
-            torch.ops.minilade_native.w7a8_register(self.weight_scales, self.packed)
-            _FORGET[self] = weakref.finalize(self, torch.ops.minilade_native.w7a8_forget, address, self.packed)
+        if _BODY is None and self._packed is not None:
+            torch.ops.minilade_native.w7a8_register(self.weight_scales, self._packed)
+            _FORGET[self] = weakref.finalize(self, torch.ops.minilade_native.w7a8_forget, address, self._packed)
             _FORGET[self].atexit = False
 
     def hand_over(self) -> None:
-        """Let go of the packed codes once native steps hold a copy of their own (native_steps.take_over): fbgemm's
-        packing is then freed, and the layer no longer runs by itself (it says so if called)."""
+        """Let go of the codes, packed or not, once native steps hold a copy of their own (native_steps.take_over):
+        the layer then no longer runs by itself (it says so if called)."""
         forget = _FORGET.pop(self, None)
         if forget is not None:
             forget()  # the C++ body's hold on the packed codes, now rather than when the layer goes
         _LAYERS.pop(self.weight_scales.data_ptr(), None)
-        self.packed = None
+        self._packed = self.codes = None
 
     def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle
         super().__setstate__(state)
@@ -218,9 +245,6 @@ class W7A8Linear(nn.Module):
         codes = rows.div(scale).round_()  # integers in [-127, 127], which the kernel takes as they are (scale 1)
         if torch.compiler.is_compiling():  # (a graph never reads self.packed: its guards would have to keep it)
             y = torch.ops.minilade.w7a8_matmul(codes, self.weight_scales) * scale
-        elif self.packed is None:
-            raise RuntimeError("this w7a8 layer's codes were handed to native steps (native_steps.take_over): it runs "
-                               "only inside them")
         else:
             y = self.kernel(codes, 1.0, ZERO_POINT, self.packed).mul_(scale)
         if self.bias is not None:
@@ -228,14 +252,15 @@ class W7A8Linear(nn.Module):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def weight_codes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The packed weight read back: codes (N, K) int8 and scales (N,) float32."""
-        if self.packed is None:
-            raise RuntimeError("this w7a8 layer's codes were handed to native steps (native_steps.take_over)")
+        """The layer's codes (N, K) int8 and scales (N,) float32 (read back from fbgemm's packing once packed)."""
+        if self.codes is not None:
+            return self.codes, self.weight_scales
         qweight, _ = torch.ops.quantized.linear_unpack(self.packed)
         return qweight.int_repr(), qweight.q_per_channel_scales().float()
 
     def weight_bytes(self) -> int:
-        """Bytes of the codes, packed outside the module's tensors (the scales are its weight_scales buffer)."""
+        """Bytes of the codes, packed or not, held outside the module's tensors (the scales are its weight_scales
+        buffer)."""
         return self.out_features * self.in_features
 
     def extra_repr(self) -> str:

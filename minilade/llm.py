@@ -34,7 +34,7 @@ from .decoding import Auto, GenerationSettings, GenerationStats, Strategy, Token
 from .decoding.loop import cache_for
 from .decoding.step_costs import quantized_layers
 from .device import choose_dtype, choose_quantization, default_device, make_exact, resolve_dtype
-from .integer_linear import w7a8_missing
+from .integer_linear import pack_layers, w7a8_missing
 from .kv_cache import KVCache
 from .memory import peak_memory, returning_freed_memory
 from .model import Transformer
@@ -204,8 +204,10 @@ class LLM:
         if exact and compile:
             from .compile_policy import choose_steps  # torch.compile's machinery, imported only when asked for
             steps = choose_steps(model, check_file, force=compile is True)
-            if isinstance(model.step_runner, NativeSteps):
-                take_over(model)  # fbgemm's packing of the layers' codes let go: native passes read their own copy
+        if isinstance(model.step_runner, NativeSteps):
+            take_over(model)  # the layers' codes let go: native passes read their own copy
+        else:
+            pack_layers(model)  # w7a8 layers' codes packed for fbgemm's kernel on several threads, not one at a time
         llm = cls(model, tokenizer, name, tables=tables)
         quantized = quantized_layers(model)
         llm.setup = f"{str(model.dtype).removeprefix('torch.')}{f' ({quantized})' if quantized else ''}, {steps}" \

@@ -7,10 +7,10 @@ much again as the weight matmuls. `NativeSteps` runs the layers of a forward as 
 to 8-bit codes, rotary, the cache writes, attention and SwiGLU are loops over each row's own numbers, and the weight
 matmuls are integer dot products over a copy of each weight's codes laid out for them (csrc/native_matmul.h: the
 bits of fbgemm's w7a8 call, the one W7A8Linear makes, and whole passes x0.95-1.3 as fast as through it; LLM.load
-then lets go of fbgemm's packing of the layers, `take_over`). The operator takes the rows of several calls, each
-over its own cache (`layers_pass`): the server runs every call of a pass, its requests' steps and prompt parts, as
-one pass through it (serve/native_pass.py). Its caches keep keys and values in float16 (`NativeSteps.cache_dtype`):
-a pass over several requests' caches reads about as many bytes of them as of weights.
+then lets go of the layers' own codes, `take_over`, and nothing packs them for fbgemm). The operator takes the rows
+of several calls, each over its own cache (`layers_pass`): the server runs every call of a pass, its requests'
+steps and prompt parts, as one pass through it (serve/native_pass.py). Its caches keep keys and values in float16
+(`NativeSteps.cache_dtype`): a pass over several requests' caches reads about as many bytes of them as of weights.
 
 Exactness, by construction: a row's operations are the same code whatever the other rows are, with sums in an order
 the code fixes, not the row count; its attention visits the slots it sees in ascending order, which is the order
@@ -183,18 +183,19 @@ def registered(model: Transformer) -> int:
 
 
 def register_layers(model: Transformer, integer_matmul: bool = True) -> int:
-    """Hand the operator the model's layer weights (its norms and four packed w7a8 weights a layer, each with its
-    codes laid out for the operator's integer matmul, or without: every matmul through fbgemm's call, to compare
+    """Hand the operator the model's layer weights (its norms and four w7a8 weights a layer, each's codes laid out for
+    the operator's integer matmul, or packed for fbgemm's call without: every matmul through that call, to compare
     the two) under a new key, forgotten when the model goes; returns the key."""
     key, ops, config = next(_NEXT_KEY), torch.ops.minilade_native_layer, model.config
     for block in model.layers:
         attention, ffn = block.attention, block.feed_forward
+        codes, scales = zip(*(linear.weight_codes() for linear in (attention.wqkv, attention.wo, ffn.w_gate_up,
+                                                                    ffn.w_down)))
         ops.add_layer(key, block.attention_norm.weight.detach().contiguous(),
-                      block.ffn_norm.weight.detach().contiguous(), block.attention_norm.eps,
-                      attention.wqkv.packed, attention.wo.packed, ffn.w_gate_up.packed, ffn.w_down.packed,
+                      block.ffn_norm.weight.detach().contiguous(), block.attention_norm.eps, codes, scales,
                       config.n_heads, config.n_kv_heads, integer_matmul)
     if native_head(model):
-        ops.add_head(key, model.norm.weight.detach().contiguous(), model.norm.eps, model.output.packed,
+        ops.add_head(key, model.norm.weight.detach().contiguous(), model.norm.eps, *model.output.weight_codes(),
                      integer_matmul)
     weakref.finalize(model, ops.forget_model, key).atexit = False
     return key
@@ -222,19 +223,17 @@ def use_matrix_tiles(on: bool) -> bool:
 
 
 def take_over(model: Transformer) -> None:
-    """Hand the model's layers to the operator for good (`registered`: their codes laid out for its matmul) and let
-    go of fbgemm's packing of them, which native passes do not read: one byte a weight less (106 MB for the demo
+    """Hand the model's layers to the operator for good (`registered`: it keeps their codes laid out for its matmul)
+    and let go of the layers' own codes, which native passes do not read: one byte a weight less (106 MB for the demo
     model). The layers' W7A8Linear modules then run only inside native steps (called by themselves, they say so).
-    Where the operator has no integer dot products to compute them with, fbgemm's packing stays: it is what it runs.
     LLM.load does this once it chose native steps."""
     registered(model)
-    if torch.ops.minilade_native_layer.has_integer_matmul():
-        for block in model.layers:
-            for linear in (block.attention.wqkv, block.attention.wo, block.feed_forward.w_gate_up,
-                           block.feed_forward.w_down):
-                linear.hand_over()
-        if native_head(model):
-            model.output.hand_over()
+    for block in model.layers:
+        for linear in (block.attention.wqkv, block.attention.wo, block.feed_forward.w_gate_up,
+                       block.feed_forward.w_down):
+            linear.hand_over()
+    if native_head(model):
+        model.output.hand_over()
 
 
 def visible_slots(model: Transformer, call: NativeCall) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .integer_linear import W7A8Linear, pack_weights, w7a8_missing
+from .integer_linear import W7A8Linear, w7a8_missing
 
 MODES = ("int8", "int4", "w7a8")  # w7a8: integer matmuls, integer_linear.py
 GROUP_SIZES = (32, 64, 128, 256)  # the only groups _weight_int4pack_mm_for_cpu accepts
@@ -369,11 +369,10 @@ def quantize_linears(model: nn.Module, mode: str = "int4", group_size: int = 32,
                 weights[name] = quantize_weight(child.weight, mode, group_size, kernel_dtype)
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
-    if mode == "w7a8":  # largest first, so that packing does not end on one thread with a big output head alone
-        order = sorted(linears, key=lambda linear: -linear[3].weight.numel())
-        floats = (weights[name].dequantize() if name in weights else child.weight for name, _, _, child in order)
-        for (_, parent, attr, child), packed in zip(order, pack_weights(floats), strict=True):
-            setattr(parent, attr, W7A8Linear(packed, child.bias))
+    if mode == "w7a8":  # each layer's floats made, rounded to its codes and let go in turn
+        for name, parent, attr, child in linears:
+            setattr(parent, attr, W7A8Linear(weights[name].dequantize() if name in weights else child.weight,
+                                             child.bias))
         return model
     for name, parent, attr, child in linears:
         setattr(parent, attr, QuantizedLinear(weights[name], child.bias, kernel_dtype=kernel_dtype,

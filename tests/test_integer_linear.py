@@ -51,20 +51,39 @@ def hostile_rows(m: int, k: int = 96, seed: int = 1) -> torch.Tensor:
     return x
 
 
-def test_weights_packed_on_threads_are_each_weights_in_order_and_read_a_few_ahead() -> None:
-    weights = [hostile_weight(n=16 * (1 + i % 3), seed=i) for i in range(9)]
-    read = []
+def test_codes_rounded_in_blocks_are_the_whole_weights_rounding(monkeypatch) -> None:
+    """w7a8_codes rounds a weight a block of rows at a time: the codes of round-to-nearest over the whole weight at
+    once, whatever the block, from float32, bfloat16 or float64 weights."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        w = hostile_weight(n=50, k=96).to(dtype)
+        largest = w.float().abs().amax(dim=1)
+        scales = (largest / WEIGHT_LEVELS).clamp_min(TINY)
+        want = (w.float() / scales[:, None]).round().clamp(-WEIGHT_LEVELS, WEIGHT_LEVELS).to(torch.int8)
+        for block in (96, 7 * 96, 96 * 96, 1 << 21):  # one row, a part that leaves a remainder, more than all
+            monkeypatch.setattr(integer_linear, "ROUNDING_BLOCK", block)
+            codes, got_scales = w7a8_codes(w)
+            assert torch.equal(codes, want) and torch.equal(got_scales, scales), (dtype, block)
 
-    def produced():
-        for w in weights:
-            read.append(w)
-            yield w
 
-    x = hostile_rows(5)
-    for i, packed in enumerate(integer_linear.pack_weights(produced())):
-        assert len(read) <= i + integer_linear.IN_FLIGHT
-        assert torch.equal(W7A8Linear(packed)(x), W7A8Linear(weights[i])(x))
-    assert len(read) == len(weights)
+def test_layers_pack_their_codes_for_fbgemm_only_when_they_first_run_through_it(monkeypatch) -> None:
+    """A w7a8 layer holds its codes until it runs through fbgemm, which packs them then (or pack_layers, for a whole
+    model on several threads): the same results either way, the codes read back from the packing."""
+    packs = []
+    pack = integer_linear.pack_weight
+    monkeypatch.setattr(integer_linear, "pack_weight", lambda *args: packs.append(1) or pack(*args))
+    weights, x = [hostile_weight(n=16 * (1 + i % 3), seed=i) for i in range(5)], hostile_rows(5)
+    lazy, together = [W7A8Linear(w) for w in weights], torch.nn.Sequential(*[W7A8Linear(w) for w in weights])
+    codes = [layer.weight_codes() for layer in lazy]
+    assert not packs and all(layer.unpacked for layer in lazy)
+    outputs = [layer(x) for layer in lazy]
+    assert len(packs) == len(weights) and not any(layer.unpacked for layer in lazy)
+    integer_linear.pack_layers(together)
+    assert len(packs) == 2 * len(weights) and not any(layer.unpacked for layer in together)
+    for layer, out, (c, s) in zip(together, outputs, codes):
+        assert torch.equal(layer(x), out)
+        read_codes, read_scales = layer.weight_codes()
+        assert torch.equal(read_codes, c) and torch.equal(read_scales, s)
+    assert len(packs) == 2 * len(weights)  # packed once each
 
 
 def test_layer_is_the_integer_product_of_the_codes_bitwise() -> None:
@@ -157,8 +176,9 @@ def test_the_graph_operator_is_the_layers_kernel_call() -> None:
 
 def test_the_graph_operators_cpp_body_gives_the_kernels_bits_and_forgets_a_layer_that_goes() -> None:
     """integer_linear.load_native_matmul: where ninja and a C++ compiler are at hand, the operator's C++ body replaces
-    the Python one (in this process from then on): the bits of the layer's own kernel call, for a copy with a moved
-    scales buffer too, and a layer that goes is forgotten (its scales no longer find a weight)."""
+    the Python one (in this process from then on): once a layer packed its codes (compiled.compile_steps packs a
+    model's before any graph runs), the bits of the layer's own kernel call, for a copy with a moved scales buffer
+    too, and a layer that goes is forgotten (its scales no longer find a weight)."""
     missing = integer_linear.load_native_matmul()
     if missing and missing.startswith("no ninja"):
         pytest.skip(missing)
@@ -166,9 +186,11 @@ def test_the_graph_operators_cpp_body_gives_the_kernels_bits_and_forgets_a_layer
     layer, x = W7A8Linear(hostile_weight()), hostile_rows(5)
     scale = x.abs().amax(-1, keepdim=True).clamp_min_(TINY).div_(ACTIVATION_LEVELS)
     codes = x.div(scale).round_()
-    assert torch.equal(torch.ops.minilade.w7a8_matmul(codes, layer.weight_scales).mul_(scale), layer(x))
+    integer_linear.pack_layers(layer)
+    want = layer(x)
+    assert torch.equal(torch.ops.minilade.w7a8_matmul(codes, layer.weight_scales).mul_(scale), want)
     copied = copy.deepcopy(layer).to(torch.float64)
-    assert torch.equal(torch.ops.minilade.w7a8_matmul(codes, copied.weight_scales).mul_(scale), layer(x))
+    assert torch.equal(torch.ops.minilade.w7a8_matmul(codes, copied.weight_scales).mul_(scale), want)
     scales = layer.weight_scales  # held, so that no other tensor takes its address
     del layer
     gc.collect()

@@ -59,19 +59,33 @@ struct Linear {
   MatmulCodes codes;
 };
 
-Linear linear_of(const Packed& packed) { return {packed, matmul_codes(packed)}; }
+// fbgemm's packing of w7a8 codes (N, K) int8 with their scales (N,): integer_linear.pack_weight's, the same call.
+Packed fbgemm_packing(const at::Tensor& codes, const at::Tensor& scales) {
+  static const auto prepack = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("quantized::linear_prepack", "")
+                                  .typed<Packed(at::Tensor, std::optional<at::Tensor>)>();
+  const at::Tensor quantized = at::_make_per_channel_quantized_tensor(
+      codes.contiguous(), scales.to(at::kDouble), at::zeros({codes.size(0)}, at::kLong), 0);
+  return prepack.call(quantized, std::nullopt);
+}
+
+void check_codes(const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && scales.dim() == 1 &&
+                  scales.scalar_type() == at::kFloat && scales.size(0) == codes.size(0),
+              "native layer: a w7a8 weight is codes (N, K) int8 with scales (N,) float32");
+}
 
 // y = x @ W.T for a w7a8 weight, each row of x rounded to 8-bit codes by its largest magnitude (integer_linear.py's
 // W7A8Linear.forward, the same operations): x (R, K) -> (R, N). By integer_matmul where the weight's codes are laid
-// out for it (unless by_fbgemm), else through fbgemm's call: the same bits either way.
-at::Tensor w7a8_linear(const at::Tensor& x, const Linear& weight, bool by_fbgemm = false) {
+// out for it, else through fbgemm's call: the same bits either way.
+at::Tensor w7a8_linear(const at::Tensor& x, const Linear& weight) {
   const int64_t R = x.size(0), K = x.size(1);
   std::vector<float> scales(R);
   for (int64_t r = 0; r < R; ++r) {
     const float* __restrict in = x.const_data_ptr<float>() + r * K;
     scales[r] = std::max(largest_magnitude(in, K), std::numeric_limits<float>::min()) / kActivationLevels;
   }
-  if (!by_fbgemm && weight.codes.codes.defined()) {
+  if (weight.codes.codes.defined()) {
     const int64_t stride = weight.codes.K4;
     std::vector<uint8_t> codes(R * stride, 0);
     for (int64_t r = 0; r < R; ++r) {
@@ -136,13 +150,13 @@ std::unordered_map<int64_t, HeadWeights>& heads() {
 }
 std::mutex models_lock;
 
-// A weight as a registered model keeps it: its codes laid out for integer_matmul, fbgemm's packing kept only where
-// its call computes the matmul (this build has no integer dot products, or integer_matmul is false).
-Linear registered_linear(const Packed& packed, bool integer_matmul) {
-  if (!integer_matmul) return Linear{packed, {}};
-  Linear laid_out = linear_of(packed);
-  if (laid_out.codes.codes.defined()) laid_out.packed.reset();
-  return laid_out;
+// A weight as a registered model keeps it, from its codes (N, K) int8 and scales (N,): the codes laid out for
+// integer_matmul, or fbgemm's packing of them where its call computes the matmul (this build has no integer dot
+// products, or integer_matmul is false).
+Linear registered_linear(const at::Tensor& codes, const at::Tensor& scales, bool integer_matmul) {
+  check_codes(codes, scales);
+  if (integer_matmul && kHasDotProducts) return Linear{Packed(), matmul_codes(codes.contiguous(), scales)};
+  return Linear{fbgemm_packing(codes, scales), {}};
 }
 
 void check_norm(const at::Tensor& norm) {
@@ -151,21 +165,23 @@ void check_norm(const at::Tensor& norm) {
 }
 
 void add_layer(int64_t model, const at::Tensor& attention_norm, const at::Tensor& ffn_norm, double eps,
-               const Packed& wqkv, const Packed& wo, const Packed& gate_up, const Packed& down, int64_t n_heads,
-               int64_t n_kv_heads, bool integer_matmul) {
+               at::TensorList codes, at::TensorList scales, int64_t n_heads, int64_t n_kv_heads,
+               bool integer_matmul) {
   check_norm(attention_norm);
   check_norm(ffn_norm);
+  TORCH_CHECK(codes.size() == 4 && scales.size() == 4, "native layer: a layer has four weights (wqkv, wo, gate_up, down)");
   TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "native layer: heads must group evenly");
-  auto linear = [&](const Packed& packed) { return registered_linear(packed, integer_matmul); };
-  LayerWeights weights{attention_norm, ffn_norm, static_cast<float>(eps), linear(wqkv), linear(wo), linear(gate_up),
-                       linear(down), n_heads, n_kv_heads};
+  auto linear = [&](size_t i) { return registered_linear(codes[i], scales[i], integer_matmul); };
+  LayerWeights weights{attention_norm, ffn_norm, static_cast<float>(eps), linear(0), linear(1), linear(2),
+                       linear(3), n_heads, n_kv_heads};
   std::lock_guard<std::mutex> guard(models_lock);
   models()[model].push_back(std::move(weights));
 }
 
-void add_head(int64_t model, const at::Tensor& norm, double eps, const Packed& weight, bool integer_matmul) {
+void add_head(int64_t model, const at::Tensor& norm, double eps, const at::Tensor& codes, const at::Tensor& scales,
+              bool integer_matmul) {
   check_norm(norm);
-  HeadWeights head{norm, static_cast<float>(eps), registered_linear(weight, integer_matmul)};
+  HeadWeights head{norm, static_cast<float>(eps), registered_linear(codes, scales, integer_matmul)};
   std::lock_guard<std::mutex> guard(models_lock);
   heads().insert_or_assign(model, std::move(head));
 }
@@ -296,34 +312,27 @@ at::Tensor head(int64_t model, const at::Tensor& x_in) {
 }
 
 // One w7a8 matmul as a pass computes it, or through fbgemm's call (for tests: the two give the same bits).
-at::Tensor linear(const at::Tensor& x, const Packed& weight, bool by_fbgemm) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, bool by_fbgemm) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "native layer: x must be (rows, K) float32");
-  return w7a8_linear(x.contiguous(), linear_of(weight), by_fbgemm);
+  return w7a8_linear(x.contiguous(), registered_linear(codes, scales, !by_fbgemm));
 }
 
 }  // namespace
 
 TORCH_LIBRARY(minilade_native_layer, m) {
   m.def(
-      "add_layer(int model, Tensor attention_norm, Tensor ffn_norm, float eps, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase wqkv, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase wo, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase gate_up, "
-      "__torch__.torch.classes.quantized.LinearPackedParamsBase down, int n_heads, int n_kv_heads, "
-      "bool integer_matmul=True) -> ()",
+      "add_layer(int model, Tensor attention_norm, Tensor ffn_norm, float eps, Tensor[] codes, Tensor[] scales, "
+      "int n_heads, int n_kv_heads, bool integer_matmul=True) -> ()",
       add_layer);
-  m.def(
-      "add_head(int model, Tensor norm, float eps, __torch__.torch.classes.quantized.LinearPackedParamsBase weight, "
-      "bool integer_matmul=True) -> ()",
-      add_head);
+  m.def("add_head(int model, Tensor norm, float eps, Tensor codes, Tensor scales, bool integer_matmul=True) -> ()",
+        add_head);
   m.def("head(int model, Tensor x) -> Tensor", head);
   m.def("forget_model(int model) -> ()", forget_model);
   m.def(
       "layers(int model, Tensor x, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, int[] call_rows, "
       "int[] call_past, Tensor visible_slots, Tensor row_offsets) -> Tensor",
       layers);
-  m.def("linear(Tensor x, __torch__.torch.classes.quantized.LinearPackedParamsBase weight, bool by_fbgemm) -> Tensor",
-        linear);
+  m.def("linear(Tensor x, Tensor codes, Tensor scales, bool by_fbgemm) -> Tensor", linear);
   m.def("has_integer_matmul() -> bool", []() { return kHasDotProducts; });
   m.def("has_matrix_tiles() -> bool", []() { return kHasMatrixTiles && matrix_tiles_granted(); });
   m.def("use_matrix_tiles(bool on) -> ()", [](bool on) { matrix_tiles_on().store(on && kHasMatrixTiles); });

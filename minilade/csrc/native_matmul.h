@@ -21,7 +21,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/native/quantized/PackedParams.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -97,19 +96,15 @@ struct MatmulCodes {
   static constexpr int64_t width = kVectors * kIntLanes;
 };
 
-// The codes of a packed w7a8 weight laid out for integer_matmul (unpacked from fbgemm's packing), or an empty
+// A w7a8 weight's codes (N, K) int8, contiguous, and scales (N,) float32 laid out for integer_matmul, or an empty
 // MatmulCodes where this build has no integer dot products to read them with (fbgemm's call then serves every pass).
-// Each block is written in one sweep from the unpacked codes, its columns' sums with it: no other copy of the
-// weight is made (an output head's is tens of MB).
-inline MatmulCodes matmul_codes(const c10::intrusive_ptr<LinearPackedParamsBase>& weight) {
+// Each block is written in one sweep from the codes, its columns' sums with it: no other copy of the weight is made
+// (an output head's is tens of MB).
+inline MatmulCodes matmul_codes(const at::Tensor& weight_codes, const at::Tensor& scales) {
   MatmulCodes laid_out;
   if (!kHasDotProducts) return laid_out;
-  const at::Tensor quantized = std::get<0>(weight->unpack()).contiguous();  // (N, K) qint8
-  TORCH_CHECK(quantized.qscheme() == c10::kPerChannelAffine &&
-                  quantized.q_per_channel_zero_points().eq(0).all().item<bool>(),
-              "native layer: w7a8 weights are symmetric, per output channel");
-  const int8_t* codes = reinterpret_cast<const int8_t*>(quantized.const_data_ptr<c10::qint8>());
-  const int64_t N = quantized.size(0), K = quantized.size(1), K4 = (K + 3) / 4 * 4, width = MatmulCodes::width;
+  const int8_t* codes = weight_codes.const_data_ptr<int8_t>();
+  const int64_t N = weight_codes.size(0), K = weight_codes.size(1), K4 = (K + 3) / 4 * 4, width = MatmulCodes::width;
   const int64_t n_blocks = (N + width - 1) / width, quads = K4 / 4;
   laid_out.codes = at::empty({n_blocks, quads, width, 4}, at::kChar);
   laid_out.column_sums = at::empty({N}, at::kInt);
@@ -133,7 +128,7 @@ inline MatmulCodes matmul_codes(const c10::intrusive_ptr<LinearPackedParamsBase>
       for (int64_t c = 0; c < width && b * width + c < N; ++c) column_sums[b * width + c] = sums[c];
     }
   });
-  laid_out.scales = quantized.q_per_channel_scales().to(at::kFloat);
+  laid_out.scales = scales.to(at::kFloat);
   laid_out.K = K, laid_out.K4 = K4, laid_out.N = N, laid_out.n_blocks = n_blocks;
   return laid_out;
 }

@@ -63,10 +63,10 @@ def test_the_operators_matmul_gives_fbgemms_bits_at_every_row_count(outputs: int
     for rows in [*range(1, 14), 16, 17, 31, 33]:  # tiles from 4 rows (kTileMinRows)
         x = torch.randn(rows, inputs, generator=generator) * torch.logspace(-3, 3, rows)[:, None]
         x[rows // 2] = 0.0
-        fbgemms = ops.linear(x, weight.packed, True)
+        fbgemms = ops.linear(x, *weight.weight_codes(), True)
         for tiles in {False, native_steps.has_matrix_tiles()}:
             native_steps.use_matrix_tiles(tiles)
-            ours = ops.linear(x, weight.packed, False)
+            ours = ops.linear(x, *weight.weight_codes(), False)
             assert torch.equal(ours, fbgemms), (rows, tiles, (ours - fbgemms).abs().max().item())
     native_steps.use_matrix_tiles(False)
 
@@ -109,13 +109,11 @@ def test_the_operators_head_is_the_models_norm_and_head_with_the_same_bits_at_ev
         assert relative_error(model.output(model.norm(x[None]))[0], logits) < 5e-2
 
 
-def test_taking_over_the_layers_lets_go_of_fbgemms_packing_and_keeps_the_bits() -> None:
+def test_taking_over_the_layers_lets_go_of_their_codes_and_keeps_the_bits() -> None:
     """native_steps.take_over (what LLM.load does once it chose native steps) leaves the layers' and the head's
-    W7A8Linear modules without fbgemm's packed codes, the operator computing from its own copy: the same logits and
+    W7A8Linear modules without codes, packed or not, the operator computing from its own copy: the same logits and
     cache rows as before; the layers then refuse to run by themselves."""
     model = native_model()
-    if not torch.ops.minilade_native_layer.has_integer_matmul():
-        pytest.skip("this processor has no integer dot products: fbgemm's packing is what the operator runs")
     tokens, positions = torch.arange(3, 15)[None], torch.arange(12)[None]
     with torch.inference_mode():
         before, cache_before = model(tokens, positions, cache := model.new_cache(16)), cache
@@ -124,7 +122,7 @@ def test_taking_over_the_layers_lets_go_of_fbgemms_packing_and_keeps_the_bits() 
         assert torch.equal(before, after)
         assert torch.equal(cache_before.k, cache_after.k) and torch.equal(cache_before.v, cache_after.v)
         linears = [m for m in model.modules() if isinstance(m, W7A8Linear)]
-        assert len(linears) == 4 * len(model.layers) + 1 and all(m.packed is None for m in linears)  # + the head
+        assert len(linears) == 4 * len(model.layers) + 1 and all(m.handed_over for m in linears)  # + the head
         model.step_runner = None
         with pytest.raises(RuntimeError, match="handed to native steps"):
             model(tokens, positions, model.new_cache(16))

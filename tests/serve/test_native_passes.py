@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minilade import LLM
+from minilade import LLM, integer_linear
+from minilade.integer_linear import W7A8Linear
 from minilade.native_steps import NativeSteps
 from minilade.serve.batched import ForwardCall, batched_forward, prepare_call, runs_compiled
 from minilade.serve.compiled_pass import calls_over
@@ -21,8 +22,7 @@ def llm(tiny_ckpt, kept_tables) -> LLM:
     eager ones (on a model this small, many times faster)."""
     llm = LLM.load(tiny_ckpt, dtype="float32", quantize="w7a8", progress=False)
     assert isinstance(llm.model.step_runner, NativeSteps), llm.setup
-    if torch.ops.minilade_native_layer.has_integer_matmul():  # the load let go of fbgemm's packing of the layers
-        assert all(m.packed is None for block in llm.model.layers for m in block.modules() if hasattr(m, "packed"))
+    assert all(m.handed_over for m in llm.model.modules() if isinstance(m, W7A8Linear))  # the operator's copy only
     return llm
 
 
@@ -54,3 +54,15 @@ def test_concurrent_answers_equal_alone_through_native_steps(llm):
     """Greedy auto, lookahead and plain decoding and a seeded sampled request, served together with a long prompt
     read in parts from a kept prefix: every answer is LLM.generate's through the same native steps."""
     served_answers_equal_alone(llm, NativePasses)
+
+
+def test_a_load_that_keeps_native_steps_never_packs_codes_for_fbgemm(llm, tiny_ckpt, monkeypatch):
+    """Once this machine's verdicts are kept (the `llm` fixture's load), LLM.load rounds the layers' weights to codes
+    and hands them to the native operator without ever packing them for fbgemm's kernel (which native passes do not
+    read): the same answers as the first load's."""
+    packs = []
+    monkeypatch.setattr(integer_linear, "pack_weight", lambda *args: packs.append(args))
+    again = LLM.load(tiny_ckpt, dtype="float32", quantize="w7a8", progress=False)
+    assert isinstance(again.model.step_runner, NativeSteps) and not packs, again.setup
+    prompt = "the cat sat on the"
+    assert again.generate(prompt, max_new_tokens=12).token_ids == llm.generate(prompt, max_new_tokens=12).token_ids
