@@ -81,8 +81,8 @@ def job(argv: list[str]) -> int:
     p.add_argument("--rounds", type=positive_int, default=10)
     p.add_argument("--reps", type=positive_int, default=6, help="passes a round, the first two not timed")
     args = p.parse_args(argv)
-    # Not chosen by the load (which would let go of fbgemm's packing of the layers and head: native_steps.take_over),
-    # but installed here, so that both registrations can be made.
+    # Not chosen by the load (which would let go of the layers' and head's codes: native_steps.take_over), but
+    # installed here, so that both registrations can be made.
     llm = LLM.load(args.ckpt, progress=False, quantize="w7a8", compile=False)
     missing = native_missing(llm.model)
     if missing:

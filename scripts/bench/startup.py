@@ -32,7 +32,7 @@ for piece in llm.stream(sys.argv[2], chat=True, max_new_tokens=int(sys.argv[3]))
 """
 
 
-def commands(ckpt: str | None, prompt: str, max_new_tokens: int, compile: str = "off") -> dict[str, list[str]]:
+def commands(ckpt: str | None, prompt: str, max_new_tokens: int, compile: str = "auto") -> dict[str, list[str]]:
     cli = [sys.executable, "-m", "minilade.generate", "--chat", prompt, "--max-new-tokens", str(max_new_tokens),
            "--compile", compile]
     library = [sys.executable, "-c", LIBRARY, ckpt or "", prompt, str(max_new_tokens), compile]
@@ -70,8 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prompt", default="Hi")
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--entries", nargs="+", choices=["CLI", "library"], default=["CLI", "library"])
-    p.add_argument("--compile", choices=["off", "on", "auto"], default="off",
-                   help="the CLI's --compile (LLM.load's compile); the warm-up run then compiles and keeps the graphs")
+    p.add_argument("--compile", choices=["off", "on", "auto"], default="auto",
+                   help="the CLI's --compile (LLM.load's compile), the default's by default; with on, the warm-up run "
+                        "compiles and keeps the graphs")
     args = p.parse_args(argv)
     print(cpu_flags())
     print("| entry | first token (s), median | exit (s), median | peak memory (MiB), median | runs (first token, s) |")
