@@ -64,7 +64,7 @@ def w7a8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     per output channel. Rounded ROUNDING_BLOCK values at a time through one float32 buffer: a whole weight's
     temporaries (an output head's are 100 MB) cost more in fresh pages than the arithmetic (5x, measured)."""
     w = weight.detach()
-    # max |w| per row, with no |w| copy of the weight; rounding to float32 is monotonic, so taken before or after
+    # max |w| per row with no |w| copy of the weight (rounding to float32 is monotonic: the same maximum either side)
     largest = torch.maximum(w.amax(dim=1), w.amin(dim=1).neg()).float()
     scales = (largest / WEIGHT_LEVELS).clamp_min(TINY)
     codes = torch.empty(w.shape, dtype=torch.int8)
@@ -165,14 +165,13 @@ class W7A8Linear(nn.Module):
     pack_layers for a whole model on several threads) and keeps only its packing: native steps lay the codes out
     themselves (native_steps.register_layers), so a model they run never packs for fbgemm."""
 
-    def __init__(self, weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None = None
-                 ) -> None:
-        """weight: (N, K) float, or its codes and scales already (w7a8_codes)."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """weight: (N, K) float, rounded to codes here (w7a8_codes)."""
         super().__init__()
         missing = w7a8_missing()
         if missing:
             raise ValueError(f"w7a8 layers need fbgemm: {missing}")
-        self.codes, scales = weight if isinstance(weight, tuple) else w7a8_codes(weight)
+        self.codes, scales = w7a8_codes(weight)
         self._packed: torch.ScriptObject | None = None
         self.out_features, self.in_features = self.codes.shape
         self.kernel = getattr(torch.ops.quantized, _KERNEL).default  # looked up once: it costs microseconds a call
