@@ -36,7 +36,7 @@ from .decoding.step_costs import quantized_layers
 from .device import choose_dtype, choose_quantization, default_device, make_exact, resolve_dtype
 from .integer_linear import pack_layers, w7a8_missing
 from .kv_cache import KVCache
-from .memory import peak_memory, returning_freed_memory
+from .memory import collection_paused, peak_memory, returning_freed_memory
 from .model import Transformer
 from .native_steps import NativeSteps, take_over
 from .parallel import from_rank0, load_shard
@@ -84,6 +84,7 @@ class LLM:
 
     @classmethod
     @returning_freed_memory
+    @collection_paused()
     def load(cls, ckpt: str | Path | None = None, *, dtype: str | torch.dtype | None = None,
              device: str | torch.device | None = None, progress: bool = True, exact: bool = True,
              tables: str | Path | bool = True, quantize: str | None = "auto", group_size: int = 32,
