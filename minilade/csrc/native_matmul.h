@@ -98,8 +98,8 @@ struct MatmulCodes {
 
 // A w7a8 weight's codes (N, K) int8, contiguous, and scales (N,) float32 laid out for integer_matmul, or an empty
 // MatmulCodes where this build has no integer dot products to read them with (fbgemm's call then serves every pass).
-// Each block is written in one sweep from the codes, its columns' sums with it: no other copy of the weight is made
-// (an output head's is tens of MB).
+// A block is written column by column, each column a row of the codes copied a quad of inputs at a time, its sum
+// with it: no other copy of the weight is made (an output head's is tens of MB).
 inline MatmulCodes matmul_codes(const at::Tensor& weight_codes, const at::Tensor& scales) {
   MatmulCodes laid_out;
   if (!kHasDotProducts) return laid_out;
@@ -112,20 +112,16 @@ inline MatmulCodes matmul_codes(const at::Tensor& weight_codes, const at::Tensor
   int32_t* column_sums = laid_out.column_sums.mutable_data_ptr<int32_t>();
   at::parallel_for(0, n_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      int32_t sums[width] = {};
       int8_t* block = out + b * quads * width * 4;
-      for (int64_t q = 0; q < quads; ++q) {
-        for (int64_t c = 0; c < width; ++c) {
-          const int64_t n = b * width + c;
-          for (int64_t j = 0; j < 4; ++j) {
-            const int64_t k = 4 * q + j;
-            const int8_t code = n < N && k < K ? codes[n * K + k] : 0;  // zero past N and K
-            block[(q * width + c) * 4 + j] = code;
-            sums[c] += code;
-          }
-        }
+      std::memset(block, 0, quads * width * 4);  // zero past N and K
+      for (int64_t c = 0; c < width && b * width + c < N; ++c) {  // one output channel: a row of the codes
+        const int8_t* row = codes + (b * width + c) * K;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < K; ++k) sum += row[k];
+        column_sums[b * width + c] = sum;
+        for (int64_t q = 0; q < K / 4; ++q) std::memcpy(block + (q * width + c) * 4, row + 4 * q, 4);
+        if (K % 4) std::memcpy(block + (K / 4 * width + c) * 4, row + K / 4 * 4, K % 4);
       }
-      for (int64_t c = 0; c < width && b * width + c < N; ++c) column_sums[b * width + c] = sums[c];
     }
   });
   laid_out.scales = scales.to(at::kFloat);
