@@ -156,9 +156,12 @@ def test_given_int4_codes_are_taken_by_their_values() -> None:
 
 
 def test_the_graph_operator_is_the_layers_kernel_call() -> None:
-    """Inside a compiled graph the layer's matmul is minilade::w7a8_matmul, which finds the layer by its scales
-    (tests/decoding/test_compiled.py compiles it); a layer no longer in use leaves the operator's registry."""
+    """Inside a compiled graph the layer's matmul is minilade::w7a8_matmul, which finds the layer by its scales once
+    its codes are packed (compiled.compile_steps packs them before any graph runs; tests/decoding/test_compiled.py
+    compiles it), whichever body the operator has in this process; a layer no longer in use leaves the operator's
+    registry."""
     layer, x = W7A8Linear(hostile_weight()), hostile_rows(5)
+    integer_linear.pack_layers(layer)
     scale = x.abs().amax(-1, keepdim=True).clamp_min_(TINY).div_(ACTIVATION_LEVELS)
     codes = x.div(scale).round_()
     assert torch.equal(torch.ops.minilade.w7a8_matmul(codes, layer.weight_scales).mul_(scale), layer(x))

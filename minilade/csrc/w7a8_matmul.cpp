@@ -47,7 +47,8 @@ at::Tensor w7a8_matmul(const at::Tensor& codes, const at::Tensor& scales) {
   {
     std::lock_guard<std::mutex> guard(layers_lock);
     auto found = layers().find(address_of(scales));
-    TORCH_CHECK(found != layers().end(), "minilade::w7a8_matmul: no w7a8 layer has these weight scales");
+    TORCH_CHECK(found != layers().end(), "minilade::w7a8_matmul: no w7a8 layer has these weight scales (a layer "
+                "is found once its codes are packed: integer_linear.pack_layers)");
     packed = found->second;
   }
   return packed->apply_with_input_q_dq_qweight_dq_output_fp32(codes, kCodesScale, kZeroPoint);
