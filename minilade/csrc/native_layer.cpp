@@ -169,7 +169,8 @@ void add_layer(int64_t model, const at::Tensor& attention_norm, const at::Tensor
                bool integer_matmul) {
   check_norm(attention_norm);
   check_norm(ffn_norm);
-  TORCH_CHECK(codes.size() == 4 && scales.size() == 4, "native layer: a layer has four weights (wqkv, wo, gate_up, down)");
+  TORCH_CHECK(codes.size() == 4 && scales.size() == 4,
+              "native layer: a layer has four weights (wqkv, wo, gate_up, down)");
   TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "native layer: heads must group evenly");
   auto linear = [&](size_t i) { return registered_linear(codes[i], scales[i], integer_matmul); };
   LayerWeights weights{attention_norm, ffn_norm, static_cast<float>(eps), linear(0), linear(1), linear(2),

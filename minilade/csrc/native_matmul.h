@@ -12,10 +12,10 @@
 //
 // The same bits as fbgemm's call, by construction: a row's sum of integer products is exact in any order (int32
 // lanes, no saturation: on AVX2 a pair of u8 x s8 products is at most 2 x 255 x 63 = 32130, under the 16-bit bound,
-// because the weight codes are 7-bit; a tile's sums are int32 too), and it becomes a float as fbgemm's requantization makes it one:
-// float(sum - 128 x column sum) x weight scale (x an activation scale of 1, exact), then x the row's own scale as
-// w7a8_linear applies it. tests/decoding/test_native_steps.py compares the two, bit for bit, at many row counts
-// and shapes.
+// because the weight codes are 7-bit; a tile's sums are int32 too), and it becomes a float as fbgemm's
+// requantization makes it one: float(sum - 128 x column sum) x weight scale (x an activation scale of 1, exact), then
+// x the row's own scale as w7a8_linear applies it. tests/decoding/test_native_steps.py compares the two, bit for bit,
+// at many row counts and shapes.
 
 #pragma once
 
