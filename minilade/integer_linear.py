@@ -95,7 +95,7 @@ def pack_layers(model: nn.Module) -> None:
     layers = sorted((m for m in model.modules() if isinstance(m, W7A8Linear) and m.unpacked),
                     key=lambda m: -m.weight_bytes())
     with ThreadPoolExecutor(max(1, min(PACKERS, torch.get_num_threads())), thread_name_prefix="w7a8") as pool:
-        packed = list(pool.map(lambda layer: pack_weight(layer.codes, layer.weight_scales), layers))
+        packed = list(pool.map(lambda layer: pack_weight(*layer.weight_codes()), layers))
     for layer, packing in zip(layers, packed):
         layer.take_packing(packing)
 
@@ -171,9 +171,11 @@ class W7A8Linear(nn.Module):
         missing = w7a8_missing()
         if missing:
             raise ValueError(f"w7a8 layers need fbgemm: {missing}")
-        self.codes, scales = w7a8_codes(weight)
+        # The codes and scales until packed. The scales stay float32 here whatever .to() makes of the buffer below.
+        self._codes: tuple[torch.Tensor, torch.Tensor] | None = w7a8_codes(weight)
         self._packed: torch.ScriptObject | None = None
-        self.out_features, self.in_features = self.codes.shape
+        codes, scales = self._codes
+        self.out_features, self.in_features = codes.shape
         self.kernel = getattr(torch.ops.quantized, _KERNEL).default  # looked up once: it costs microseconds a call
         self.register_buffer("weight_scales", scales, persistent=False)  # (N,): the operator's key and shape
         self._register()
@@ -182,12 +184,12 @@ class W7A8Linear(nn.Module):
     @property
     def unpacked(self) -> bool:
         """Whether the layer holds its codes unpacked (not yet run through fbgemm, nor handed to native steps)."""
-        return self.codes is not None
+        return self._codes is not None
 
     @property
     def handed_over(self) -> bool:
         """Whether the layer let go of its codes to native steps (hand_over): it holds neither codes nor packing."""
-        return self.codes is None and self._packed is None
+        return self._codes is None and self._packed is None
 
     @property
     def packed(self) -> torch.ScriptObject:
@@ -196,12 +198,12 @@ class W7A8Linear(nn.Module):
             if self.handed_over:
                 raise RuntimeError("this w7a8 layer's codes were handed to native steps (native_steps.take_over): it "
                                    "runs only inside them")
-            self.take_packing(pack_weight(self.codes, self.weight_scales))
+            self.take_packing(pack_weight(*self._codes))
         return self._packed
 
     def take_packing(self, packed: torch.ScriptObject) -> None:
         """Keep fbgemm's packing of the codes (pack_weight) in their place."""
-        self._packed, self.codes = packed, None
+        self._packed, self._codes = packed, None
         self._register()
 
     def _register(self) -> None:
@@ -224,7 +226,7 @@ class W7A8Linear(nn.Module):
         if forget is not None:
             forget()  # the C++ body's hold on the packed codes, now rather than when the layer goes
         _LAYERS.pop(self.weight_scales.data_ptr(), None)
-        self._packed = self.codes = None
+        self._packed = self._codes = None
 
     def __setstate__(self, state: dict) -> None:  # copy.deepcopy, pickle
         super().__setstate__(state)
@@ -252,8 +254,8 @@ class W7A8Linear(nn.Module):
 
     def weight_codes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's codes (N, K) int8 and scales (N,) float32 (read back from fbgemm's packing once packed)."""
-        if self.codes is not None:
-            return self.codes, self.weight_scales
+        if self._codes is not None:
+            return self._codes
         qweight, _ = torch.ops.quantized.linear_unpack(self.packed)
         return qweight.int_repr(), qweight.q_per_channel_scales().float()
 

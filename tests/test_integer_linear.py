@@ -86,6 +86,16 @@ def test_layers_pack_their_codes_for_fbgemm_only_when_they_first_run_through_it(
     assert len(packs) == 2 * len(weights)  # packed once each
 
 
+def test_a_dtype_conversion_before_packing_keeps_the_float32_scales() -> None:
+    """A layer converted to another dtype before it first ran (`model.to(torch.bfloat16)`: its scales buffer then
+    rounded) still packs its codes with their float32 scales: the same results as a layer never converted."""
+    w, x = hostile_weight(), hostile_rows(5)
+    layer = W7A8Linear(w).to(torch.bfloat16)
+    assert layer.unpacked and layer.weight_scales.dtype == torch.bfloat16
+    assert torch.equal(layer(x), W7A8Linear(w)(x))
+    assert layer.weight_codes()[1].dtype == torch.float32
+
+
 def test_layer_is_the_integer_product_of_the_codes_bitwise() -> None:
     w, x = hostile_weight(), hostile_rows(40)
     layer = W7A8Linear(w)
