@@ -16,6 +16,19 @@ namespace {
 
 constexpr int64_t kPrefetchSlots = 32;  // how far ahead of its scores attention asks for a row's keys
 
+// The floats of room attend_heads needs for each head's weights over n slots: n rounded up to whole kLanes, so that
+// every block of kLanes scores is stored whole.
+inline int64_t padded_slots(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+// Column blocks of kLanes that the weighted sums of G heads add at once: as many (4, 2 or 1) as keep the G x blocks
+// sums in half the processor's vector registers (kLaneRegisters a block), the rest for the values and weights.
+constexpr int64_t column_blocks(int64_t G) {
+  for (int64_t blocks : {4, 2}) {
+    if (G * blocks * kLaneRegisters <= kVectorRegisters / 2) return blocks;
+  }
+  return 1;
+}
+
 // One layer of a call's cache: slot s of key-value head h at keys + h * key_head_stride + s * key_slot_stride, and
 // likewise in values (its first D columns).
 struct CallCache {
@@ -38,8 +51,8 @@ CallCache layer_cache(const at::Tensor& k, const at::Tensor& v, int64_t layer) {
 // the terms added in slot order, the G x B column blocks side by side so that their sums do not wait on each other;
 // each value row read once for all G heads.
 template <int64_t G, int64_t B>
-void weighted_columns(const float* w, const Half* values, const int32_t* slots, int64_t n, int64_t slot_stride,
-                      int64_t d, int64_t D, const float* inverse_total, float* out) {
+void weighted_columns(const float* w, int64_t w_stride, const Half* values, const int32_t* slots, int64_t n,
+                      int64_t slot_stride, int64_t d, int64_t D, const float* inverse_total, float* out) {
   Lanes sum[G][B];
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t b = 0; b < B; ++b) sum[g][b] = zero_lanes();
@@ -49,7 +62,7 @@ void weighted_columns(const float* w, const Half* values, const int32_t* slots, 
     Lanes v[B];
     for (int64_t b = 0; b < B; ++b) v[b] = load(value + b * kLanes);
     for (int64_t g = 0; g < G; ++g) {
-      const float weight = w[g * n + j];
+      const float weight = w[g * w_stride + j];
       for (int64_t b = 0; b < B; ++b) sum[g][b] = fused(splat(weight), v[b], sum[g][b]);
     }
   }
@@ -62,7 +75,7 @@ void weighted_columns(const float* w, const Half* values, const int32_t* slots, 
 
 // One row's attention for the G query heads of one key-value head (q: G heads of D floats, out likewise):
 // softmax(q . k_s / sqrt(D)) over the row's n slots s, times v_s. The G heads read each key and value once.
-// weights: G * n floats of room (head g's at g * n).
+// weights: G * padded_slots(n) floats of room (head g's at g * padded_slots(n)).
 // Every sum has an order the code fixes, the same whatever n and the other rows: a score is dot()'s (kLanes partial
 // sums over the head width, then lane_sum's tree, here kLanes slots' trees at once by lane_sums); a head's total
 // and its weighted sum of values add the slots' terms in slot order.
@@ -70,58 +83,65 @@ template <int64_t G>
 void attend_heads(const float* q, const Half* keys, const Half* values, int64_t key_stride, int64_t value_stride,
                   const int32_t* slots, int64_t n, int64_t D, float* weights, float* out) {
   const float scale = kLog2E / std::sqrt(static_cast<float>(D));
-  Lanes partial[G][kLanes];
+  const int64_t stride = padded_slots(n);
   for (int64_t first = 0; first < n; first += kLanes) {  // scores, kLanes slots at a time
     const int64_t m = std::min(kLanes, n - first);
-    for (int64_t s = 0; s < kLanes; ++s) {
+    alignas(64) float partial[G][kLanes][kLanes];  // head g's lanes for slot first + s at partial[g][s]
+    for (int64_t s = 0; s < m; ++s) {
+      const Half* key = keys + slots[first + s] * key_stride;
+      prefetch_row(values + slots[first + s] * value_stride, D);  // for the weighted sums after the scores
+      if (first + s + kPrefetchSlots < n) prefetch_row(keys + slots[first + s + kPrefetchSlots] * key_stride, D);
       Lanes acc[G];
       for (int64_t g = 0; g < G; ++g) acc[g] = zero_lanes();
-      if (s < m) {  // a slot past the last keeps zero lanes of its own, never read
-        const Half* key = keys + slots[first + s] * key_stride;
-        prefetch_row(values + slots[first + s] * value_stride, D);  // for the weighted sums after the scores
-        if (first + s + kPrefetchSlots < n) prefetch_row(keys + slots[first + s + kPrefetchSlots] * key_stride, D);
-        int64_t i = 0;
-        for (; i + kLanes <= D; i += kLanes) {
-          const Lanes k = load(key + i);
-          for (int64_t g = 0; g < G; ++g) acc[g] = fused(load(q + g * D + i), k, acc[g]);
-        }
-        if (i < D) {
-          float k[kLanes];
-          for (int64_t l = 0; i + l < D; ++l) k[l] = static_cast<float>(key[i + l]);
-          for (int64_t g = 0; g < G; ++g) acc[g] = fused_remainder(q + g * D + i, k, D - i, acc[g]);
-        }
+      int64_t i = 0;
+      for (; i + 2 * kLanes <= D; i += 2 * kLanes) {  // two loads of the key ahead of their multiply-adds
+        const Lanes k0 = load(key + i), k1 = load(key + i + kLanes);
+        for (int64_t g = 0; g < G; ++g) acc[g] = fused(load(q + g * D + i), k0, acc[g]);
+        for (int64_t g = 0; g < G; ++g) acc[g] = fused(load(q + g * D + i + kLanes), k1, acc[g]);
       }
-      for (int64_t g = 0; g < G; ++g) partial[g][s] = acc[g];
+      for (; i + kLanes <= D; i += kLanes) {
+        const Lanes k = load(key + i);
+        for (int64_t g = 0; g < G; ++g) acc[g] = fused(load(q + g * D + i), k, acc[g]);
+      }
+      if (i < D) {
+        float k[kLanes];
+        for (int64_t l = 0; i + l < D; ++l) k[l] = static_cast<float>(key[i + l]);
+        for (int64_t g = 0; g < G; ++g) acc[g] = fused_remainder(q + g * D + i, k, D - i, acc[g]);
+      }
+      for (int64_t g = 0; g < G; ++g) store(partial[g][s], acc[g]);
     }
-    for (int64_t g = 0; g < G; ++g) {
-      const Lanes scores = lane_sums(partial[g]) * scale;
-      std::memcpy(weights + g * n + first, &scores, m * sizeof(float));
+    for (int64_t s = m; s < kLanes; ++s) {  // slots past the last: zero lanes, sums never read
+      for (int64_t g = 0; g < G; ++g) store(partial[g][s], zero_lanes());
     }
+    for (int64_t g = 0; g < G; ++g) store(weights + g * stride + first, lane_sums(partial[g][0]) * scale);
   }
   float inverse_total[G];
   {
     float total[G];
     for (int64_t g = 0; g < G; ++g) {
-      float* w = weights + g * n;
+      float* w = weights + g * stride;
       const float most = largest(w, n);
       for (int64_t j = 0; j < n; ++j) w[j] = exp2_approx(w[j] - most);
       total[g] = 0.0f;
     }
     for (int64_t j = 0; j < n; ++j) {  // the G heads' totals side by side, each in slot order
-      for (int64_t g = 0; g < G; ++g) total[g] += weights[g * n + j];
+      for (int64_t g = 0; g < G; ++g) total[g] += weights[g * stride + j];
     }
     for (int64_t g = 0; g < G; ++g) inverse_total[g] = 1.0f / total[g];
   }
+  constexpr int64_t B = column_blocks(G);
   int64_t d = 0;
-  for (; d + 4 * kLanes <= D; d += 4 * kLanes) weighted_columns<G, 4>(weights, values, slots, n, value_stride, d, D,
-                                                                       inverse_total, out);
-  for (; d + kLanes <= D; d += kLanes) weighted_columns<G, 1>(weights, values, slots, n, value_stride, d, D,
-                                                              inverse_total, out);
+  for (; d + B * kLanes <= D; d += B * kLanes) {
+    weighted_columns<G, B>(weights, stride, values, slots, n, value_stride, d, D, inverse_total, out);
+  }
+  for (; d + kLanes <= D; d += kLanes) {
+    weighted_columns<G, 1>(weights, stride, values, slots, n, value_stride, d, D, inverse_total, out);
+  }
   for (; d < D; ++d) {  // a head width that is not a multiple of kLanes: its last columns one at a time
     for (int64_t g = 0; g < G; ++g) {
       float sum = 0.0f;
       for (int64_t j = 0; j < n; ++j) {
-        sum = std::fma(weights[g * n + j], static_cast<float>(values[slots[j] * value_stride + d]), sum);
+        sum = std::fma(weights[g * stride + j], static_cast<float>(values[slots[j] * value_stride + d]), sum);
       }
       out[g * D + d] = sum * inverse_total[g];
     }

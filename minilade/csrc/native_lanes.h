@@ -15,6 +15,13 @@
 namespace {
 
 constexpr int64_t kLanes = 16;  // the partial sums of every reduction
+#if defined(__AVX512F__)
+constexpr int64_t kVectorRegisters = 32, kLaneRegisters = 1;  // registers of the processor; a Lanes value's
+#elif defined(__AVX__)
+constexpr int64_t kVectorRegisters = 16, kLaneRegisters = 2;
+#else
+constexpr int64_t kVectorRegisters = 16, kLaneRegisters = 4;
+#endif
 constexpr float kLog2E = 1.4426950408889634f;
 
 // Keys and values are kept in the caches as IEEE half floats (half the bytes a pass reads), each rounded to the
@@ -55,11 +62,31 @@ inline float lane_sum(Lanes v) {
   const __m128 twos = _mm_add_ps(fours, _mm_movehl_ps(fours, fours));
   return _mm_cvtss_f32(_mm_add_ss(twos, _mm_movehdup_ps(twos)));
 }
-// The lane sums of v[0..kLanes) (lane s of the result: lane_sum(v[s])).
-inline Lanes lane_sums(const Lanes* v) {
-  alignas(32) float sums[kLanes];
-  for (int64_t s = 0; s < kLanes; ++s) sums[s] = lane_sum(v[s]);
-  return load(sums);
+// The lane sums of kLanes values, v[s * kLanes ...] the lanes of the s-th (lane s of the result: lane_sum of it), each
+// the same additions of the same pairs as lane_sum's tree, so the same bits, levels of it shared across the sums:
+// lanes l and l + 8 of each (one addition a register, e[s]), then l and l + 4 of two e at a time (each's halves in a register's two 128-bit halves),
+// l and l + 2 of four at a time, l and l + 1 of eight, which leaves sums 0, 2, 4, 6 in the low half and 1, 3, 5, 7 in
+// the high half: one permutation puts them in order.
+inline Lanes lane_sums(const float* v) {
+  __m256 e[kLanes], fours[kLanes / 2], twos[kLanes / 4], ones[kLanes / 8];
+  for (int s = 0; s < kLanes; ++s) {
+    const Lanes lanes = load(v + s * kLanes);
+    e[s] = _mm256_add_ps(lanes.lo, lanes.hi);
+  }
+  for (int p = 0; p < kLanes / 2; ++p) {  // [e[2p]'s lanes l + (l + 4), l < 4 | e[2p + 1]'s]
+    fours[p] = _mm256_add_ps(_mm256_permute2f128_ps(e[2 * p], e[2 * p + 1], 0x20),
+                             _mm256_permute2f128_ps(e[2 * p], e[2 * p + 1], 0x31));
+  }
+  for (int p = 0; p < kLanes / 4; ++p) {  // [sums 4p: l + (l + 2), l < 2, then 4p + 2's | 4p + 1's, 4p + 3's]
+    twos[p] = _mm256_add_ps(_mm256_shuffle_ps(fours[2 * p], fours[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm256_shuffle_ps(fours[2 * p], fours[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int p = 0; p < kLanes / 8; ++p) {  // [sums 8p, 8p + 2, 8p + 4, 8p + 6 | 8p + 1, 8p + 3, 8p + 5, 8p + 7]
+    ones[p] = _mm256_add_ps(_mm256_shuffle_ps(twos[2 * p], twos[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm256_shuffle_ps(twos[2 * p], twos[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  return {_mm256_permutevar8x32_ps(ones[0], in_order), _mm256_permutevar8x32_ps(ones[1], in_order)};
 }
 #else
 // kLanes floats as one value (GCC's vector extension: one AVX-512 register), and loads of one from memory of any
@@ -100,10 +127,12 @@ inline float lane_sum(Lanes v) {
   return v[0];
 }
 
-// The lane sums of v[0..kLanes) (lane s of the result: lane_sum(v[s])), each the same additions of the same pairs as
-// lane_sum's tree, so the same bits: four levels of two-register shuffles serve all kLanes sums at once.
-inline Lanes lane_sums(const Lanes* v) {
-  Lanes halves[8], quarters[4], eighths[2];
+// The lane sums of kLanes values, v[s * kLanes ...] the lanes of the s-th (lane s of the result: lane_sum of it), each
+// the same additions of the same pairs as lane_sum's tree, so the same bits: four levels of two-register shuffles
+// serve all kLanes sums at once.
+inline Lanes lane_sums(const float* lanes) {
+  Lanes v[kLanes], halves[8], quarters[4], eighths[2];
+  for (int s = 0; s < kLanes; ++s) v[s] = load(lanes + s * kLanes);
   for (int p = 0; p < 8; ++p) {  // lanes l and l + 8 of v[2p] (into lanes 0-7) and of v[2p + 1] (8-15)
     halves[p] = __builtin_shufflevector(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
                                         23) +

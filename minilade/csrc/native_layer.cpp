@@ -248,7 +248,7 @@ at::Tensor layer(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / Hkv, kv = task % Hkv;
       const int64_t n = offsets[r + 1] - offsets[r];
-      weights.resize(G * n);
+      weights.resize(G * padded_slots(n));
       attend(qkv_rows + r * width + kv * G * D, caches[row_call[r]], kv, slots + offsets[r], n, G, D,
              weights.data(), y_rows + r * H * D + kv * G * D);
     }
