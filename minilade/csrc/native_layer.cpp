@@ -241,16 +241,19 @@ at::Tensor layer(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor
   float* y_rows = y.mutable_data_ptr<float>();
   const int32_t* slots = visible_slots.const_data_ptr<int32_t>();
   const int64_t* offsets = row_offsets.const_data_ptr<int64_t>();
-  // Tasks of one row and one key-value head; a pass with few keys in all stays on this thread.
+  // Tasks of one row and one key-value head's group of query heads, or of one query head where that leaves fewer
+  // than two tasks a thread (a one-row step: its key-value heads would split unevenly); a pass with few keys in all
+  // stays on this thread. A head's result is the same either way (attend's heads are computed independently).
+  const int64_t heads_a_task = R * Hkv < 2 * at::get_num_threads() ? 1 : G, tasks_a_row = H / heads_a_task;
   const int64_t grain = std::max<int64_t>(1, kAttentionGrain * R / std::max<int64_t>(1, offsets[R] * H));
-  at::parallel_for(0, R * Hkv, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, R * tasks_a_row, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> weights;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / Hkv, kv = task % Hkv;
+      const int64_t r = task / tasks_a_row, head = task % tasks_a_row * heads_a_task;
       const int64_t n = offsets[r + 1] - offsets[r];
-      weights.resize(G * padded_slots(n));
-      attend(qkv_rows + r * width + kv * G * D, caches[row_call[r]], kv, slots + offsets[r], n, G, D,
-             weights.data(), y_rows + r * H * D + kv * G * D);
+      weights.resize(heads_a_task * padded_slots(n));
+      attend(qkv_rows + r * width + head * D, caches[row_call[r]], head / G, slots + offsets[r], n, heads_a_task, D,
+             weights.data(), y_rows + r * H * D + head * D);
     }
   });
   at::Tensor out = w7a8_linear(y, weights.wo);
