@@ -16,7 +16,7 @@ namespace {
 
 constexpr int64_t kLanes = 16;  // the partial sums of every reduction
 #if defined(__AVX512F__)
-constexpr int64_t kVectorRegisters = 32, kLaneRegisters = 1;  // registers of the processor; a Lanes value's
+constexpr int64_t kVectorRegisters = 32, kLaneRegisters = 1;  // the processor's vector registers; a Lanes value's
 #elif defined(__AVX__)
 constexpr int64_t kVectorRegisters = 16, kLaneRegisters = 2;
 #else
@@ -64,9 +64,9 @@ inline float lane_sum(Lanes v) {
 }
 // The lane sums of kLanes values, v[s * kLanes ...] the lanes of the s-th (lane s of the result: lane_sum of it), each
 // the same additions of the same pairs as lane_sum's tree, so the same bits, levels of it shared across the sums:
-// lanes l and l + 8 of each (one addition a register, e[s]), then l and l + 4 of two e at a time (each's halves in a register's two 128-bit halves),
-// l and l + 2 of four at a time, l and l + 1 of eight, which leaves sums 0, 2, 4, 6 in the low half and 1, 3, 5, 7 in
-// the high half: one permutation puts them in order.
+// lanes l and l + 8 of each (one addition a register, e[s]), then l and l + 4 of two e at a time (their halves in a
+// register's two 128-bit halves), l and l + 2 of four at a time, l and l + 1 of eight, which leaves sums 0, 2, 4, 6
+// in the low half and 1, 3, 5, 7 in the high half: one permutation puts them in order.
 inline Lanes lane_sums(const float* v) {
   __m256 e[kLanes], fours[kLanes / 2], twos[kLanes / 4], ones[kLanes / 8];
   for (int s = 0; s < kLanes; ++s) {

@@ -79,8 +79,8 @@ constexpr bool kHasDotProducts = false;  // no integer dot products to write int
 constexpr int64_t kVectors = 2;  // int vectors in a column block: a block is kVectors x kIntLanes output channels
 // Rows that share each load of codes: kRowTile x kVectors accumulators in registers, with room for the codes and
 // a row's inputs (32 vector registers on AVX-512, 16 on AVX2: 12 accumulators, two code vectors, a row's inputs and
-// the second multiply's constant). On a Zen 3, tiles of 6 rows made 8-row passes of the demo
-// model's layers and head some 5% faster than tiles of 4, and passes of 1-4 rows no slower.
+// the second multiply's constant). On a Zen 3, tiles of 6 rows made 8-row passes of the demo model's layers and head
+// some 5% faster than tiles of 4, and passes of 1-4 rows no slower.
 constexpr int64_t kRowTile = kIntLanes == 16 ? 12 : 6;
 // How far ahead of its reads a tile of at least kPrefetchRows rows asks for a block's codes. A tile of fewer rows
 // reads them as fast as memory brings them, where the processor's own prefetching did as well or better alone (the
