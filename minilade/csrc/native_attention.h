@@ -14,9 +14,9 @@
 
 namespace {
 
-// How far ahead of its scores attention asks for a row's keys, where it does: AVX-512 builds, on which the prefetch
-// came with the float16 caches. On a Zen 3 (AVX2) passes of 1 to 16 rows, and of 8 one-row calls over caches of their
-// own, ran 3-5% faster without it: the processor's own prefetching follows the ascending slots.
+// How far ahead of its scores attention asks for a row's keys (prefetch_row says why), on AVX-512 builds. On a Zen 3
+// (AVX2) passes of 1 to 16 rows, and of 8 one-row calls over caches of their own, ran 3-5% faster without asking:
+// there the processor's own prefetching follows the ascending slots in time, so AVX2 builds do not ask.
 #if defined(__AVX512F__)
 constexpr int64_t kPrefetchSlots = 32;
 #else
