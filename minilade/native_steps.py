@@ -30,6 +30,7 @@ import weakref
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from . import native
@@ -154,18 +155,58 @@ def native_head(model: Transformer) -> bool:
 def layers_pass(model: Transformer, calls: list[NativeCall], registration: int | None = None) -> torch.Tensor:
     """Every layer over the rows of several calls, each over its own cache: the last layer's output (sum T, dim),
     the calls' rows in order; each call's keys and values written into its cache at [length, length + T).
-    registration: the key of the model's layers with the operator (None: `registered(model)`)."""
-    tokens = torch.cat([call.tokens for call in calls])
-    positions = torch.cat([call.positions for call in calls])
-    cos, sin = (t[0, :, 0].contiguous() for t in model.rotary(positions[None]))  # (sum T, D)
-    slots, counts = zip(*(visible_slots(model, call) for call in calls))
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cat(counts).cumsum(0)])
-    slots = torch.cat(slots)
+    registration: the key of the model's layers with the operator (None: `registered(model)`).
+
+    What the operator is handed besides the weights it holds (the rows' embeddings, rotary rows, visible slots) is
+    laid out on the host in numpy where it can be: a one-row step is some 10 ms of the operator and its layout a few
+    dozen small operations, each a few microseconds in numpy against 5-10 in torch's dispatcher."""
+    tokens = calls[0].tokens if len(calls) == 1 else torch.cat([call.tokens for call in calls])
+    positions = calls[0].positions if len(calls) == 1 else torch.cat([call.positions for call in calls])
+    cos, sin = rotary_rows(model, positions)
+    slots, offsets = pass_slots(model, calls)
     keys, values = [call.cache.k for call in calls], [call.cache.v for call in calls]
     rows, past = [call.tokens.shape[0] for call in calls], [call.start for call in calls]
     x = model.tok_embeddings(tokens).to(model.dtype).contiguous()
     registration = registered(model) if registration is None else registration
     return torch.ops.minilade_native_layer.layers(registration, x, cos, sin, keys, values, rows, past, slots, offsets)
+
+
+def rotary_rows(model: Transformer, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (T, D) at positions (T,): the rows model.rotary gives, gathered from its tables on the host; a
+    position outside them is model.rotary's ValueError."""
+    at = positions.numpy()
+    if at.size and (at.min() < 0 or at.max() >= model.rope_cos.shape[0]):
+        model.rotary(positions)  # raises
+    return torch.from_numpy(model.rope_cos.numpy()[at]), torch.from_numpy(model.rope_sin.numpy()[at])
+
+
+def pass_slots(model: Transformer, calls: list[NativeCall]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache slots each row of a pass sees, ascending, every row's in one tensor (int32), and where each row's
+    begin (offsets (rows + 1,) int64: row r's are slots[offsets[r]:offsets[r + 1]]). Row r of a causal call sees
+    slots [0, start + r] (the committed rows and the call's rows up to its own); a masked call's rows, or any under
+    a sliding window, what visible_slots says."""
+    slots, counts = [], []
+    for call in calls:
+        if call.mask is None and not model.config.sliding_window:
+            ends = np.arange(call.start + 1, call.start + call.tokens.shape[0] + 1)
+            slots.append(ranges(ends))
+            counts.append(ends)
+        else:
+            seen, count = visible_slots(model, call)
+            slots.append(seen.numpy())
+            counts.append(count.numpy())
+    counts = np.concatenate(counts)
+    offsets = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return torch.from_numpy(np.concatenate(slots).astype(np.int32, copy=False)), torch.from_numpy(offsets)
+
+
+def ranges(ends: np.ndarray) -> np.ndarray:
+    """[0, ends[0]) then [0, ends[1]) ... in one int32 array."""
+    if ends.size == 1:
+        return np.arange(ends[0], dtype=np.int32)
+    starts = np.repeat(np.cumsum(ends) - ends, ends)  # where each range begins in the result
+    return (np.arange(starts.size) - starts).astype(np.int32)
 
 
 _KEYS: weakref.WeakKeyDictionary[Transformer, int] = weakref.WeakKeyDictionary()
@@ -237,12 +278,10 @@ def take_over(model: Transformer) -> None:
 
 
 def visible_slots(model: Transformer, call: NativeCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache slots each row of a call sees, ascending (int32, all rows' in one tensor), and how many a row
-    (T,): the committed rows and the step rows its mask allows, cut by any sliding window
-    (Transformer.step_masks)."""
+    """The cache slots each row of a masked call sees (or of any call under a sliding window), ascending (int32, all
+    rows' in one tensor), and how many a row (T,): the committed rows and the step rows its mask allows, cut by any
+    sliding window (Transformer.step_masks)."""
     T = call.tokens.shape[0]
-    if T == 1 and call.mask is None and not model.config.sliding_window:  # a plain step: every slot to its own
-        return torch.arange(call.start + 1, dtype=torch.int32), torch.tensor([call.start + 1])
     visible, _ = model.step_masks(call.mask, call.start, T, call.positions)  # (T, past + T)
     if visible is None:  # a causal step over an empty cache
         visible = torch.ones(T, T, dtype=torch.bool).tril_()
