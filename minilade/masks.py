@@ -161,6 +161,10 @@ class CandidateTree:
                    torch.from_numpy(mask), torch.tensor(padded, dtype=torch.long).view(len(paths), k),
                    torch.tensor([len(nodes) for nodes in node_of], dtype=torch.long))
 
+    def paths(self) -> list[list[int]]:
+        """The candidates' tokens, each its own length."""
+        return [row[:n] for row, n in zip(self.tokens[self.node_of].tolist(), self.lengths.tolist())]
+
     @property
     def n_paths(self) -> int:
         return self.node_of.shape[0]

@@ -1,6 +1,7 @@
 """Verification: which candidate tokens does the model itself produce, and what does it produce next?
 
-Both functions run on the device and return small tensors; the caller reads them back in one transfer.
+The model's choices (argmax) and a sampled step's draws are made on the device and read back in one transfer;
+which candidate wins and how far is then decided on the host, over a few dozen integers (greedy_walk).
 Notation: candidates (g, K), all proposed to follow the input token x; candidate j is its first lengths[j] tokens
 (1..K; None: all K), the rest of its row is padding that is never accepted. A path never accepts past its own end,
 and a wholly accepted path is still followed by the model's next token (the bonus token).
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .masks import CandidateTree
+from .masks import CandidateTree, StepShape
 from .sampling import Sampler, largest
 
 
@@ -31,57 +32,92 @@ class Verdict:
     matches: list[int]
 
 
-def verify_tree(sampler: Sampler, x_logits: torch.Tensor, node_logits: torch.Tensor, tree: CandidateTree,
-                max_accepted: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Verify a trie of candidates against the model's logits; everything stays on the device.
+def verify_tree(sampler: Sampler, logits: torch.Tensor, shape: StepShape, tree: CandidateTree,
+                max_accepted: int | None = None) -> tuple[Verdict, list[int]]:
+    """Verify a trie of candidates against a packed step's logits (R, V), the rows shape.read lists: x's, the
+    newest window level's, then every trie node's. Returns the verdict and the window's new level (the argmax at
+    its rows: greedy even when sampling, as the window only proposes).
 
-    x_logits: (V,) after the input token x; node_logits: (n, V) after each trie node. Each candidate token is
-    judged by its node's logits, penalized (when penalties are set) with its own history: the committed text and
-    the candidate up to that token, as plain decoding would have it had it emitted them. max_accepted caps the
-    accepted tokens (the published reference's N - 1; None: no cap). Returns (winner, n_accepted, matches (g,),
-    chain (K + 1,)): the step emits chain[:n_accepted + 1].
-    """
-    device = x_logits.device
-    first_logits = sampler.penalize(x_logits)
-    first_choice = largest(first_logits)
-    if tree.n_paths == 0:
-        zero = first_choice.new_zeros(())
-        token = first_choice if sampler.greedy else sampler.draw(sampler.probs(first_logits))
-        return zero, zero, first_choice.new_zeros(0), token.view(1)
-    node_of, lengths = tree.node_of.to(device), tree.lengths.to(device)
-    candidates = tree.tokens[tree.node_of].to(device)  # (g, K), past a candidate's end: its last token again
-    if sampler.penalizes or not sampler.greedy:  # each candidate's token judged with its own history, or sampled
-        cand_logits = sampler.penalize(node_logits[node_of], candidates)  # (g, K, V)
-        choices = largest(cand_logits)
-    else:  # a node's choice is the same in every candidate through it: one per node
-        choices = largest(node_logits)[node_of]
-    best, n_accepted, chain, matches = greedy_verify(first_choice, candidates, choices, lengths)
-    if not sampler.greedy:
-        best, n_accepted, chain = sample_verify(sampler.probs(first_logits), candidates, cand_logits, sampler,
-                                                lengths=lengths)
+    The model's choices (and a sampled step's draws) are made on the device and read back in one transfer, the
+    step's one host synchronisation; the walk along the candidates runs on the host (greedy_walk), over a few dozen
+    integers. max_accepted caps the accepted tokens (the published reference's N - 1; None: no cap)."""
+    paths = tree.paths()
+    drawn = None
+    if sampler.greedy and not sampler.penalizes:  # a node's choice is the same in every candidate through it
+        row_choices = read_back(largest(logits))[0]  # one argmax over every row read
+        first, level = row_choices[0], row_choices[shape.level_logits]
+        after = row_choices[shape.node_logits_from:]
+        choices = [[after[node] for node in nodes] for nodes in tree.node_of.tolist()]
+    else:
+        first, level, choices, drawn = judged_per_candidate(sampler, logits, shape, tree)
+    winner, n_accepted, chain, matches = greedy_walk(first, choices, paths)
+    if drawn is not None:  # sampled: the draws decide; the greedy walk's matches still teach the draft calibration
+        winner, n_accepted, chain = drawn
     if max_accepted is not None:
-        n_accepted = n_accepted.clamp(max=max_accepted)
-    return best, n_accepted, matches, chain
+        n_accepted = min(n_accepted, max_accepted)
+    return Verdict(chain[:n_accepted + 1], winner, n_accepted, matches), level
 
 
-def greedy_verify(first: torch.Tensor, candidates: torch.Tensor, choices: torch.Tensor,
-                  lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy verification: the longest candidate prefix that matches the model's own argmax chain.
+def judged_per_candidate(sampler: Sampler, logits: torch.Tensor, shape: StepShape, tree: CandidateTree
+                         ) -> tuple[int, list[int], list[list[int]], tuple[int, int, list[int]] | None]:
+    """verify_tree with penalties or sampling: each candidate token judged by its node's logits penalized with its
+    own history (the committed text and the candidate up to that token, as plain decoding would have it had it
+    emitted them), and when sampling, the candidates tried by sample_verify. Returns (the model's choice after x,
+    the window level's choices, each candidate's choices (g, K), and the draws' (winner, n_accepted, chain) or
+    None when greedy), read back in one transfer."""
+    device = logits.device
+    x_logits = sampler.penalize(logits[0])
+    g, K = tree.node_of.shape
+    tensors = [largest(x_logits).view(1), largest(logits[shape.level_logits])]
+    if g:
+        candidates = tree.tokens[tree.node_of].to(device)  # (g, K), past a candidate's end: its last token again
+        cand_logits = sampler.penalize(logits[shape.node_logits_from:][tree.node_of.to(device)], candidates)
+        tensors.append(largest(cand_logits))  # (g, K)
+    if not sampler.greedy:
+        if g:
+            best, n_accepted, chain = sample_verify(sampler.probs(x_logits), candidates, cand_logits, sampler,
+                                                    lengths=tree.lengths.to(device))
+        else:
+            best = n_accepted = torch.zeros((), dtype=torch.long, device=device)
+            chain = sampler.draw(sampler.probs(x_logits)).view(1)
+        tensors += [best.view(1), n_accepted.view(1), chain]
+    first, level, *rest = read_back(*tensors)
+    flat = rest.pop(0) if g else []
+    choices = [flat[j * K:(j + 1) * K] for j in range(g)]
+    drawn = None if sampler.greedy else (rest[0][0], rest[1][0], rest[2])
+    return first[0], level, choices, drawn
 
-    first: () the argmax after x. choices: (g, K) the argmax after each candidate token (given the candidate's
-    earlier tokens). Returns (best, n_accepted, emitted): the winning candidate, how many of its tokens are
-    accepted (0..its length), and the model's chain (K + 1,) along it, whose first n_accepted + 1 tokens are
-    emitted: the accepted tokens, then the model's next token (the bonus token when the whole candidate matched).
-    Ties go to the earlier candidate. Also returns n_match (g,): each candidate's count of leading matches.
-    """
-    g, K = candidates.shape
-    chain = torch.cat([first.expand(g, 1), choices], dim=1)  # (g, K + 1)
-    same = candidates == chain[:, :-1]
-    if lengths is not None:
-        same &= torch.arange(K, device=candidates.device) < lengths[:, None]
-    n_match = same.int().cumprod(dim=1).sum(dim=1)  # leading matches, (g,)
-    best = n_match.argmax()
-    return best, n_match[best], chain[best], n_match
+
+def greedy_walk(first: int, choices: list[list[int]], paths: list[list[int]]
+                ) -> tuple[int, int, list[int], list[int]]:
+    """Greedy verification, on the host: the longest candidate prefix that matches the model's own argmax chain.
+
+    first: the argmax after x. paths: the candidates (each its own length). choices[j][i]: the argmax after
+    candidate j's token i (given the candidate's earlier tokens; at least len(paths[j]) of them). Returns (winner,
+    n_accepted, chain, matches): the winning candidate (the earliest of equals; 0 without candidates), how many of
+    its tokens are accepted, the model's chain along it (first, then its choices after the accepted tokens), whose
+    first n_accepted + 1 tokens are emitted (the accepted tokens, then the model's next token: the bonus token when
+    the whole candidate matched), and each candidate's count of leading matches."""
+    matches = []
+    for path, after in zip(paths, choices):
+        n, expected = 0, first
+        while n < len(path) and path[n] == expected:
+            expected = after[n]
+            n += 1
+        matches.append(n)
+    winner = max(range(len(paths)), key=matches.__getitem__, default=0)
+    n_accepted = matches[winner] if paths else 0
+    return winner, n_accepted, [first] + (choices[winner][:n_accepted] if paths else []), matches
+
+
+def read_back(*tensors: torch.Tensor) -> list[list[int]]:
+    """Integer tensors as host lists, in one transfer."""
+    flat = torch.cat([t.reshape(-1) for t in tensors]).tolist()
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at:at + t.numel()])
+        at += t.numel()
+    return out
 
 
 def sample_verify(probs0: torch.Tensor, candidates: torch.Tensor, cand_logits: torch.Tensor, sampler: Sampler,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from minilade.sampling import Sampler, SamplingParams
-from minilade.verify import greedy_verify, sample_verify
+from minilade.verify import greedy_walk, sample_verify
 
 
 def greedy(first: int, candidates: list[list[int]], choices: list[list[int]]) -> tuple[int, int, list[int]]:
-    best, n, chain, _ = greedy_verify(torch.tensor(first), torch.tensor(candidates), torch.tensor(choices))
-    return int(best), int(n), chain[:int(n) + 1].tolist()
+    best, n, chain, _ = greedy_walk(first, choices, candidates)
+    return best, n, chain[:n + 1]
 
 
 def test_greedy_verify_full_match_keeps_bonus_token() -> None:
@@ -118,12 +118,10 @@ def test_shared_prefix_continues_with_the_accepted_branch() -> None:
 def test_greedy_verify_ragged_never_accepts_past_a_path_end() -> None:
     # Path 0 is [5] (padded with 6, which the model would also choose): it accepts 1 token, then the bonus 6.
     # Path 1 is [5, 6, 8]: the model chooses 7 after 6, so it accepts 2 and emits 7.
-    best, n, chain, matches = greedy_verify(torch.tensor(5), torch.tensor([[5, 6, 7], [5, 6, 8]]),
-                                            torch.tensor([[6, 7, 9], [6, 7, 9]]), torch.tensor([1, 3]))
-    assert matches.tolist() == [1, 2] and (int(best), int(n)) == (1, 2) and chain[:3].tolist() == [5, 6, 7]
-    best, n, chain, _ = greedy_verify(torch.tensor(5), torch.tensor([[5, 6, 7]]), torch.tensor([[6, 7, 9]]),
-                                      torch.tensor([2]))
-    assert int(n) == 2 and chain[:3].tolist() == [5, 6, 7]  # a wholly matched short path keeps its bonus token
+    best, n, chain, matches = greedy_walk(5, [[6, 7, 9], [6, 7, 9]], [[5], [5, 6, 8]])
+    assert matches == [1, 2] and (best, n) == (1, 2) and chain[:3] == [5, 6, 7]
+    best, n, chain, _ = greedy_walk(5, [[6, 7, 9]], [[5, 6]])
+    assert n == 2 and chain[:3] == [5, 6, 7]  # a wholly matched short path keeps its bonus token
 
 
 def verify_ragged(uniforms: list[float]):
@@ -147,20 +145,18 @@ def test_sample_verify_ragged_stops_at_the_end_of_the_accepted_path() -> None:
     torch.testing.assert_close(draws[0], D3.softmax(-1))
 
 
-# ---- the vectorised verifiers against their loop forms ----------------------------------------------------------
+# ---- the verifiers against their other forms ----------------------------------------------------------
 
-def greedy_by_loops(first: int, candidates: list[list[int]], choices: list[list[int]], lengths: list[int]
-                    ) -> tuple[int, int, list[int]]:
-    """greedy_verify as loops: the candidate with the longest prefix equal to the model's chain (the earliest
-    among equals), its accepted count and the tokens the step emits."""
-    best, best_n = 0, -1
-    for j, (candidate, choice) in enumerate(zip(candidates, choices)):
-        chain, n = [first] + choice, 0
-        while n < lengths[j] and candidate[n] == chain[n]:
-            n += 1
-        if n > best_n:
-            best, best_n = j, n
-    return best, best_n, ([first] + choices[best])[:best_n + 1]
+def greedy_by_tensors(first: int, candidates: torch.Tensor, choices: torch.Tensor, lengths: torch.Tensor
+                      ) -> tuple[int, int, list[int]]:
+    """greedy_walk in tensor operations: each candidate's leading matches with the model's chain are the cumulative
+    product of its matches; the first of the longest wins, and the step emits the chain along it."""
+    g, K = candidates.shape
+    chain = torch.cat([torch.full((g, 1), first), choices], dim=1)  # (g, K + 1)
+    same = (candidates == chain[:, :-1]) & (torch.arange(K) < lengths[:, None])
+    n_match = same.int().cumprod(dim=1).sum(dim=1)
+    best = int(n_match.argmax())
+    return best, int(n_match[best]), chain[best, :int(n_match[best]) + 1].tolist()
 
 
 def sample_by_loops(probs0, candidates, cand_logits, sampler, lengths) -> tuple[int, int, list[int]]:
@@ -199,15 +195,15 @@ def random_case(gen: torch.Generator, vocab: int) -> tuple[torch.Tensor, torch.T
     return torch.randint(vocab, (g, K), generator=gen), torch.randint(1, K + 1, (g,), generator=gen)
 
 
-def test_greedy_verify_equals_its_loop_form() -> None:
+def test_greedy_walk_equals_its_tensor_form() -> None:
     gen = torch.Generator().manual_seed(0)
     for _ in range(300):
         candidates, lengths = random_case(gen, vocab=3)
         choices = torch.randint(3, candidates.shape, generator=gen)
         first = int(torch.randint(3, (1,), generator=gen))
-        best, n, chain, _ = greedy_verify(torch.tensor(first), candidates, choices, lengths)
-        expected = greedy_by_loops(first, candidates.tolist(), choices.tolist(), lengths.tolist())
-        assert (int(best), int(n), chain[:int(n) + 1].tolist()) == expected
+        paths = [row[:n] for row, n in zip(candidates.tolist(), lengths.tolist())]
+        best, n, chain, _ = greedy_walk(first, choices.tolist(), paths)
+        assert (best, n, chain[:n + 1]) == greedy_by_tensors(first, candidates, choices, lengths)
 
 
 def test_sample_verify_equals_its_loop_form() -> None:

@@ -22,7 +22,6 @@ import torch
 
 from ..masks import CandidateTree, LookaheadLayout, StepShape
 from ..ngram_pool import NGramPool
-from ..sampling import largest
 from ..verify import Verdict, verify_tree
 from .base import DecodeContext, Decoder, Step, StepKind, Strategy, option, whole_number
 
@@ -159,23 +158,9 @@ def packed_step(ctx: DecodeContext, shape: StepShape, base: torch.Tensor, tree: 
     logits = ctx.model(tokens[None], ctx.cache.length + offsets, ctx.cache, mask, logits_rows=read)[0]  # (R, V)
     if observe is not None:
         observe(tokens[read], logits)
-    new_level = largest(logits[shape.level_logits])
-    winner, n_accepted, matches, chain = verify_tree(ctx.sampler, logits[0], logits[shape.node_logits_from:], tree,
-                                                     max_accepted)
-    winner, n_accepted, matches, chain, new_level = read_back(winner, n_accepted, matches, chain, new_level)
-    verdict = Verdict(chain[:n_accepted[0] + 1], winner[0], n_accepted[0], matches)
+    verdict, new_level = verify_tree(ctx.sampler, logits, shape, tree, max_accepted)
     keep_accepted(ctx, shape, tree, verdict)
     return verdict, new_level
-
-
-def read_back(*tensors: torch.Tensor) -> list[list[int]]:
-    """Integer tensors as host lists, in one transfer: the step's one host synchronisation."""
-    flat = torch.cat([t.reshape(-1) for t in tensors]).tolist()
-    out, at = [], 0
-    for t in tensors:
-        out.append(flat[at:at + t.numel()])
-        at += t.numel()
-    return out
 
 
 def keep_accepted(ctx: DecodeContext, shape: StepShape, tree: CandidateTree, verdict: Verdict) -> None:

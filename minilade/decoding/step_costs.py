@@ -68,7 +68,7 @@ PLAIN_SAMPLES = 5
 DRAFT_CHAIN = 4  # the longest draft path of a timed step (the paths of auto's steps are mostly this short or shorter)
 # The version of a decoding step's host work (its masks, verification and cache compaction), part of the key of kept
 # costs: a change to that work makes kept tables stale, and they are measured again.
-HOST_VERSION = 2
+HOST_VERSION = 3
 
 
 class _StepTimer:
