@@ -180,39 +180,42 @@ class CandidateTree:
 
 
 class StepShape:
-    """The fixed base of one kind of step, on the device: the whole window, or x alone (a step that only verifies).
+    """The fixed base of one kind of step: the whole window, or x alone (a step that only verifies).
 
     A step feeds these n_base rows, then its candidates' trie (CandidateTree). `read` lists the rows whose
     logits are needed, in this order: x (row 0; when N = 2 it is also column 0 of the newest level, and read once),
     then the newest level's W rows, then every trie node. In the logits of the `read` rows, x's are row 0, the
-    newest level's are `level_logits`, and the nodes' start at `node_logits_from`.
+    newest level's are `level_logits`, and the nodes' start at `node_logits_from`. A step's mask, offsets and
+    rows to read are laid out on the host (a few small arrays, in numpy) and handed to the device once.
     """
 
     def __init__(self, layout: LookaheadLayout, with_window: bool, device: torch.device) -> None:
         self.with_window, self.device = with_window, device
         if with_window:
-            self.mask = layout.window_mask().to(device)
-            self.offsets = layout.window_offsets().to(device)
+            self.mask = layout.window_mask().numpy()
+            self.offsets = layout.window_offsets().numpy()
             newest = layout.last_level_rows().tolist()
         else:
-            self.mask = torch.ones(1, 1, dtype=torch.bool, device=device)
-            self.offsets = torch.zeros(1, dtype=torch.long, device=device)
+            self.mask = np.ones((1, 1), dtype=bool)
+            self.offsets = np.zeros(1, dtype=np.int64)
             newest = []
-        self.n_base = self.offsets.numel()
+        self.n_base = self.offsets.size
         self.read = ([] if 0 in newest else [0]) + newest
         self.node_logits_from = len(self.read)
         self.level_logits = slice(self.node_logits_from - len(newest), self.node_logits_from)
 
     def assemble(self, tree: CandidateTree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Mask (T, T), position offsets from x (T,) and rows to read, for this base followed by the trie's nodes."""
+        """Mask (T, T), position offsets from x (T,) and rows to read, for this base followed by the trie's nodes,
+        on the device."""
         n, T = self.n_base, self.n_base + tree.size
-        mask = torch.zeros(T, T, dtype=torch.bool, device=self.device)
+        mask = np.zeros((T, T), dtype=bool)
         mask[:n, :n] = self.mask
         mask[n:, 0] = True  # every candidate token sees x
-        mask[n:, n:] = tree.mask.to(self.device)
-        offsets = torch.cat([self.offsets, (tree.depth + 1).to(self.device)])
-        read = torch.cat([torch.tensor(self.read), torch.arange(n, T)]).to(self.device)
-        return mask, offsets, read
+        mask[n:, n:] = tree.mask.numpy()
+        offsets = np.concatenate([self.offsets, tree.depth.numpy() + 1])
+        read = np.concatenate([np.array(self.read, dtype=np.int64), np.arange(n, T)])
+        return (torch.from_numpy(mask).to(self.device), torch.from_numpy(offsets).to(self.device),
+                torch.from_numpy(read).to(self.device))
 
 
 def interleaved_step(past: int, T: int, lanes: int) -> tuple[torch.Tensor, torch.Tensor]:

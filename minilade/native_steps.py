@@ -36,7 +36,7 @@ import torch
 from . import native
 from .integer_linear import W7A8Linear
 from .kv_cache import KVCache
-from .model import Transformer
+from .model import Transformer, check_mask
 
 SOURCE = Path(__file__).parent / "csrc" / "native_layer.cpp"  # and the headers it includes, HEADERS
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("native_*.h"))
@@ -182,19 +182,24 @@ def rotary_rows(model: Transformer, positions: torch.Tensor) -> tuple[torch.Tens
 
 def pass_slots(model: Transformer, calls: list[NativeCall]) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache slots each row of a pass sees, ascending, every row's in one tensor (int32), and where each row's
-    begin (offsets (rows + 1,) int64: row r's are slots[offsets[r]:offsets[r + 1]]). Row r of a causal call sees
-    slots [0, start + r] (the committed rows and the call's rows up to its own); a masked call's rows, or any under
-    a sliding window, what visible_slots says."""
+    begin (offsets (rows + 1,) int64: row r's are slots[offsets[r]:offsets[r + 1]]). A row sees the committed slots
+    [0, start), then the call's rows its mask allows, each at slot start + its row (causal: rows up to its own);
+    under a sliding window, what visible_slots says."""
     slots, counts = [], []
     for call in calls:
-        if call.mask is None and not model.config.sliding_window:
-            ends = np.arange(call.start + 1, call.start + call.tokens.shape[0] + 1)
-            slots.append(ranges(ends))
-            counts.append(ends)
+        T, start = call.tokens.shape[0], call.start
+        if model.config.sliding_window:
+            seen, count = (t.numpy() for t in visible_slots(model, call))
+        elif call.mask is None:
+            count = np.arange(start + 1, start + T + 1)
+            seen = ranges(count)
         else:
-            seen, count = visible_slots(model, call)
-            slots.append(seen.numpy())
-            counts.append(count.numpy())
+            check_mask(call.mask, T)
+            visible = np.ones((T, start + T), dtype=bool)
+            visible[:, start:] = call.mask.numpy()
+            seen, count = np.nonzero(visible)[1], visible.sum(1)
+        slots.append(seen)
+        counts.append(count)
     counts = np.concatenate(counts)
     offsets = np.zeros(counts.size + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
@@ -278,11 +283,11 @@ def take_over(model: Transformer) -> None:
 
 
 def visible_slots(model: Transformer, call: NativeCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache slots each row of a masked call sees (or of any call under a sliding window), ascending (int32, all
-    rows' in one tensor), and how many a row (T,): the committed rows and the step rows its mask allows, cut by any
-    sliding window (Transformer.step_masks)."""
+    """The cache slots each row of a call sees under the model's sliding window, ascending (int32, all rows' in one
+    tensor), and how many a row (T,): the committed rows and the step rows its mask allows, cut by the window
+    (Transformer.step_masks)."""
     T = call.tokens.shape[0]
     visible, _ = model.step_masks(call.mask, call.start, T, call.positions)  # (T, past + T)
-    if visible is None:  # a causal step over an empty cache
+    if visible is None:  # a causal step over an empty cache, nothing outside the window
         visible = torch.ones(T, T, dtype=torch.bool).tril_()
     return visible.nonzero()[:, 1].to(torch.int32), visible.sum(1)

@@ -178,6 +178,32 @@ def test_one_pass_gives_each_call_what_its_step_alone_gives() -> None:
         assert torch.equal(a.cache.k, b.cache.k) and torch.equal(a.cache.v, b.cache.v)
 
 
+@pytest.mark.parametrize("sliding_window", [0, 6])
+def test_a_pass_lays_out_the_slots_its_step_masks_allow(sliding_window: int) -> None:
+    """pass_slots (laid out in numpy) lists, for every row of a pass of causal and masked calls over caches of many
+    lengths, the slots the model's step masks (Transformer.step_masks, with and without a sliding window) let it
+    see, ascending, with each row's offsets."""
+    model = w7a8_model(sliding_window=sliding_window)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        calls = []
+        for _ in range(int(torch.randint(1, 4, (1,), generator=gen))):
+            T, start = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(0, 40, (1,), generator=gen))
+            mask = None if torch.rand(1, generator=gen) < 0.4 else \
+                (torch.rand(T, T, generator=gen) < 0.5) | torch.eye(T, dtype=torch.bool)
+            calls.append(NativeCall(torch.zeros(T, dtype=torch.long), torch.arange(start, start + T),
+                                    model.new_cache(64), mask, past=start))
+        slots, offsets = native_steps.pass_slots(model, calls)
+        rows = []
+        for call in calls:
+            T = call.tokens.shape[0]
+            visible, _ = model.step_masks(call.mask, call.start, T, call.positions)
+            rows += list(torch.ones(T, T, dtype=torch.bool).tril() if visible is None else visible)
+        assert slots.dtype == torch.int32 and offsets.tolist() == [0, *torch.tensor([int(r.sum()) for r in rows])
+                                                                    .cumsum(0).tolist()]
+        assert slots.tolist() == [slot for row in rows for slot in row.nonzero()[:, 0].tolist()]
+
+
 def test_a_prompt_read_natively_in_parts_gets_the_bits_of_the_whole() -> None:
     """Native steps run the prefill too (Transformer.forward hands it to them): a prompt read in two parts, or its
     first part taken from rows a decoding step wrote, gives the logits and cache rows of the prompt read at once."""
