@@ -158,8 +158,8 @@ def layers_pass(model: Transformer, calls: list[NativeCall], registration: int |
     registration: the key of the model's layers with the operator (None: `registered(model)`).
 
     What the operator is handed besides the weights it holds (the rows' embeddings, rotary rows, visible slots) is
-    laid out on the host in numpy where it can be: a one-row step is some 10 ms of the operator and its layout a few
-    dozen small operations, each a few microseconds in numpy against 5-10 in torch's dispatcher."""
+    laid out on the host in numpy where it can be: the layout is a few dozen small operations a pass, each a few
+    times cheaper in numpy than through torch's dispatcher, and all of it host time the operator waits for."""
     tokens = calls[0].tokens if len(calls) == 1 else torch.cat([call.tokens for call in calls])
     positions = calls[0].positions if len(calls) == 1 else torch.cat([call.positions for call in calls])
     cos, sin = rotary_rows(model, positions)
