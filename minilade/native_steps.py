@@ -183,8 +183,8 @@ def rotary_rows(model: Transformer, positions: torch.Tensor) -> tuple[torch.Tens
 def pass_slots(model: Transformer, calls: list[NativeCall]) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache slots each row of a pass sees, ascending, every row's in one tensor (int32), and where each row's
     begin (offsets (rows + 1,) int64: row r's are slots[offsets[r]:offsets[r + 1]]). A row sees the committed slots
-    [0, start), then the call's rows its mask allows, each at slot start + its row (causal: rows up to its own);
-    under a sliding window, what visible_slots says."""
+    [0, start), then the call's rows its mask allows, each at slot start + its row (causal: rows up to its own):
+    the rows of model.py's step_visibility, laid out in numpy; under a sliding window, what visible_slots says."""
     slots, counts = [], []
     for call in calls:
         T, start = call.tokens.shape[0], call.start
