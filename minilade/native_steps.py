@@ -37,6 +37,7 @@ from . import native
 from .integer_linear import W7A8Linear
 from .kv_cache import KVCache
 from .model import Transformer, check_mask
+from .sampling import with_choices
 
 SOURCE = Path(__file__).parent / "csrc" / "native_layer.cpp"  # and the headers it includes, HEADERS
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("native_*.h"))
@@ -140,9 +141,11 @@ class NativeSteps:
 
 def logits(model: Transformer, x: torch.Tensor) -> torch.Tensor:
     """The final norm and output head over rows of the last layer's output, x (R, dim): logits (1, R, V). By the
-    operator where it holds the model's head (a w7a8 head without bias: `native_head`), else as the eager step."""
+    operator where it holds the model's head (a w7a8 head without bias: `native_head`), which also makes each row's
+    greedy choice, handed over on the logits (sampling.with_choices); else as the eager step."""
     if native_head(model):
-        return torch.ops.minilade_native_layer.head(registered(model), x)[None]
+        logits, choices = torch.ops.minilade_native_layer.head(registered(model), x)
+        return with_choices(logits[None], choices[None])
     return model.output(model.norm(x[None]))
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .masks import CandidateTree, StepShape
-from .sampling import Sampler, largest
+from .sampling import Sampler, greedy_choices, largest
 
 
 @dataclass(frozen=True)
@@ -34,22 +34,23 @@ class Verdict:
 
 def verify_tree(sampler: Sampler, logits: torch.Tensor, shape: StepShape, tree: CandidateTree,
                 max_accepted: int | None = None) -> tuple[Verdict, list[int]]:
-    """Verify a trie of candidates against a packed step's logits (R, V), the rows shape.read lists: x's, the
-    newest window level's, then every trie node's. Returns the verdict and the window's new level (the argmax at
-    its rows: greedy even when sampling, as the window only proposes).
+    """Verify a trie of candidates against a packed step's logits (1, R, V) as its forward returned them, the rows
+    shape.read lists: x's, the newest window level's, then every trie node's. Returns the verdict and the window's
+    new level (the argmax at its rows: greedy even when sampling, as the window only proposes).
 
-    The model's choices (and a sampled step's draws) are made on the device and read back in one transfer, the
-    step's one host synchronisation; the walk along the candidates runs on the host (greedy_walk), over a few dozen
-    integers. max_accepted caps the accepted tokens (the published reference's N - 1; None: no cap)."""
+    The model's choices (and a sampled step's draws) are made on the device, greedy ones by the forward itself where
+    it makes them beside its logits (sampling.with_choices), and read back in one transfer, the step's one host
+    synchronisation; the walk along the candidates runs on the host (greedy_walk), over a few dozen integers.
+    max_accepted caps the accepted tokens (the published reference's N - 1; None: no cap)."""
     paths = tree.paths()
     drawn = None
     if sampler.greedy and not sampler.penalizes:  # a node's choice is the same in every candidate through it
-        row_choices = read_back(largest(logits))[0]  # one argmax over every row read
+        row_choices = read_back(greedy_choices(logits)[0])[0]  # every row's, made by the forward or now
         first, level = row_choices[0], row_choices[shape.level_logits]
         after = row_choices[shape.node_logits_from:]
         choices = [[after[node] for node in nodes] for nodes in tree.node_of.tolist()]
     else:
-        first, level, choices, drawn = judged_per_candidate(sampler, logits, shape, tree)
+        first, level, choices, drawn = judged_per_candidate(sampler, logits[0], shape, tree)
     winner, n_accepted, chain, matches = greedy_walk(first, choices, paths)
     if drawn is not None:  # sampled: the draws decide; the greedy walk's matches still teach the draft calibration
         winner, n_accepted, chain = drawn

@@ -1,5 +1,6 @@
 // minilade_native_layer::layers: every transformer layer of a forward pass (decoding steps and prompts) over w7a8
-// weights, in C++ (native_steps.py); ::head: the final norm and output head over the rows whose logits a pass wants.
+// weights, in C++ (native_steps.py); ::head: the final norm and output head over the rows whose logits a pass wants,
+// and each row's greedy choice.
 // A model's weights are registered once (add_layer, add_head, under a key; forget_model when it goes).
 //
 // x (R, dim) float32 holds the rows of one or more calls, each over its own KV cache: call c owns rows
@@ -26,6 +27,8 @@
 #include <limits>
 #include <mutex>
 #include <unordered_map>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "native_attention.h"
@@ -296,9 +299,50 @@ at::Tensor layers(int64_t model, const at::Tensor& x, const at::Tensor& cos, con
   return out;
 }
 
+// The first index of the largest of row[a, b) with its value, a NaN counting as larger than any number: the rule of
+// torch.argmax and numpy's argmax (sampling.largest).
+std::pair<float, int64_t> first_largest(const float* __restrict row, int64_t a, int64_t b) {
+  bool any_nan = false;
+  for (int64_t i = a; i < b; ++i) any_nan |= std::isnan(row[i]);
+  const float most = any_nan ? std::numeric_limits<float>::quiet_NaN() : largest(row + a, b - a);
+  for (int64_t i = a; i < b; ++i) {
+    if (any_nan ? std::isnan(row[i]) : row[i] == most) return {row[i], i};
+  }
+  return {-std::numeric_limits<float>::infinity(), a};  // empty
+}
+
+// Each row's greedy choice over logits (R, V): first_largest of its row, as (R,) int64. The columns are split among
+// the threads as the head's matmul splits its column blocks, so that each reads the logits it wrote, while they are
+// still in its caches; the parts' winners are then taken in column order (the first of equal ones).
+at::Tensor choices(const at::Tensor& logits) {
+  const int64_t R = logits.size(0), V = logits.size(1);
+  const float* data = logits.const_data_ptr<float>();
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), V / 4096));
+  const int64_t span = (V + parts - 1) / parts;
+  std::vector<std::pair<float, int64_t>> won(parts * R);
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t a = p * span, b = std::min(V, a + span);
+      for (int64_t r = 0; r < R; ++r) won[p * R + r] = first_largest(data + r * V, a, b);
+    }
+  });
+  at::Tensor out = at::empty({R}, at::kLong);
+  int64_t* chosen = out.mutable_data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    auto best = won[r];
+    for (int64_t p = 1; p < parts; ++p) {
+      const auto [value, index] = won[p * R + r];
+      if (!std::isnan(best.first) && (std::isnan(value) || value > best.first)) best = {value, index};
+    }
+    chosen[r] = best.second;
+  }
+  return out;
+}
+
 // The logits of rows of the last layer's output, x (R, dim) -> (R, vocab): the final norm, then the output head, as
-// the layers compute theirs (each row's own operations, the head's bits at every row count).
-at::Tensor head(int64_t model, const at::Tensor& x_in) {
+// the layers compute theirs (each row's own operations, the head's bits at every row count); and each row's greedy
+// choice over them (choices), (R,) int64, found while they are still in the caches of the threads that wrote them.
+std::tuple<at::Tensor, at::Tensor> head(int64_t model, const at::Tensor& x_in) {
   const HeadWeights* weights;
   {
     std::lock_guard<std::mutex> guard(models_lock);
@@ -312,7 +356,8 @@ at::Tensor head(int64_t model, const at::Tensor& x_in) {
   at::Tensor normed = at::empty_like(x);
   rms_norm(x.const_data_ptr<float>(), weights->norm.const_data_ptr<float>(), weights->eps, x.size(0), x.size(1),
            normed.mutable_data_ptr<float>());
-  return w7a8_linear(normed, weights->weight);
+  at::Tensor logits = w7a8_linear(normed, weights->weight);
+  return {logits, choices(logits)};
 }
 
 // One w7a8 matmul as a pass computes it, or through fbgemm's call (for tests: the two give the same bits).
@@ -330,7 +375,11 @@ TORCH_LIBRARY(minilade_native_layer, m) {
       add_layer);
   m.def("add_head(int model, Tensor norm, float eps, Tensor codes, Tensor scales, bool integer_matmul=True) -> ()",
         add_head);
-  m.def("head(int model, Tensor x) -> Tensor", head);
+  m.def("head(int model, Tensor x) -> (Tensor, Tensor)", head);
+  m.def("choices(Tensor logits) -> Tensor", [](const at::Tensor& logits) {  // head's rule on any logits (tests)
+    TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "native layer: logits must be (R, V) float32");
+    return choices(logits.contiguous());
+  });
   m.def("forget_model(int model) -> ()", forget_model);
   m.def(
       "layers(int model, Tensor x, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, int[] call_rows, "

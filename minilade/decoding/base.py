@@ -107,7 +107,7 @@ class Decoder(ABC):
         rows = torch.tensor([n - 1], device=ctx.device)
         logits = ctx.model(tokens, torch.arange(n, device=ctx.device), ctx.cache, logits_rows=rows)
         ctx.cache.commit(n)
-        return Step(self.emit([int(ctx.sampler.pick(ctx.sampler.penalize(logits[0, -1])))]), StepKind(), n)
+        return Step(self.emit([ctx.sampler.next_token(logits)]), StepKind(), n)
 
     @abstractmethod
     def step(self) -> Step:
@@ -129,7 +129,7 @@ class Decoder(ABC):
         tokens = torch.tensor([ctx.tokens[-1:]], device=ctx.device)
         logits = ctx.model(tokens, torch.tensor([pos], device=ctx.device), ctx.cache)
         ctx.cache.commit(1)
-        return Step(self.emit([int(ctx.sampler.pick(ctx.sampler.penalize(logits[0, -1])))]), StepKind(), 1)
+        return Step(self.emit([ctx.sampler.next_token(logits)]), StepKind(), 1)
 
 
 class Strategy(ABC):

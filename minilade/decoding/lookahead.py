@@ -155,9 +155,9 @@ def packed_step(ctx: DecodeContext, shape: StepShape, base: torch.Tensor, tree: 
     """
     mask, offsets, read = shape.assemble(tree)
     tokens = torch.cat([base, tree.tokens]).to(ctx.device)
-    logits = ctx.model(tokens[None], ctx.cache.length + offsets, ctx.cache, mask, logits_rows=read)[0]  # (R, V)
+    logits = ctx.model(tokens[None], ctx.cache.length + offsets, ctx.cache, mask, logits_rows=read)  # (1, R, V)
     if observe is not None:
-        observe(tokens[read], logits)
+        observe(tokens[read], logits[0])
     verdict, new_level = verify_tree(ctx.sampler, logits, shape, tree, max_accepted)
     keep_accepted(ctx, shape, tree, verdict)
     return verdict, new_level

@@ -21,6 +21,7 @@ import torch
 from ..kv_cache import KVCache
 from ..model import Transformer
 from ..native_steps import NativeCall, NativeSteps, layers_pass, logits
+from ..sampling import carried_choices, with_choices
 from .batched import ForwardCall
 from .compiled_pass import PROBE_ROOM, calls_over, same_as_alone
 from .planner import rows_together
@@ -53,8 +54,9 @@ class NativePasses:
         return passes
 
     def __call__(self, model: Transformer, calls: list[ForwardCall]) -> list[torch.Tensor]:
-        """Logits of each call, (1, R_i, V), from one native pass over all their rows; each call's keys and
-        values written into its cache at [length, length + T_i)."""
+        """Logits of each call, (1, R_i, V), from one native pass over all their rows, each carrying its rows' greedy
+        choices where the head made them (sampling.with_choices); each call's keys and values written into its cache
+        at [length, length + T_i)."""
         x = layers_pass(model, [NativeCall(c.tokens[0], c.input_pos.reshape(-1), c.cache, c.mask) for c in calls])
         picked, counts, start = [], [], 0
         for call in calls:
@@ -63,7 +65,12 @@ class NativePasses:
             picked.append(x[start:start + T][rows])
             counts.append(picked[-1].shape[0])
             start += T
-        return list(logits(model, torch.cat(picked)).split(counts, dim=1))
+        together = logits(model, torch.cat(picked))
+        parts = together.split(counts, dim=1)
+        choices = carried_choices(together)  # each row's greedy choice, where the head made them
+        if choices is None:
+            return list(parts)
+        return [with_choices(part, chosen) for part, chosen in zip(parts, choices.split(counts, dim=1))]
 
     # planner.PassCost: one step of every row the pass's generations feed (native steps run prompt parts too)
     pass_cost = staticmethod(rows_together)

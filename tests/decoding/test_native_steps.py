@@ -15,6 +15,7 @@ from minilade.masks import interleaved_step
 from minilade.model import Transformer
 from minilade.native_steps import NativeCall, NativeSteps, layers_pass, native_missing, take_over
 from minilade.quant import quantize_embedding, quantize_linears
+from minilade.sampling import carried_choices, largest
 from tests.helpers import FLAT_COSTS, checked_runs, step_eagerly_and_by
 
 
@@ -100,13 +101,35 @@ def test_the_operators_head_is_the_models_norm_and_head_with_the_same_bits_at_ev
     ops = torch.ops.minilade_native_layer
     ours, fbgemms = native_steps.register_layers(model), native_steps.register_layers(model, integer_matmul=False)
     x = torch.randn(14, model.config.dim, generator=torch.Generator().manual_seed(5))
-    logits = ops.head(ours, x)
+    logits, choices = ops.head(ours, x)
     assert logits.shape == (14, model.config.vocab_size)
-    assert torch.equal(logits, torch.cat([ops.head(ours, row[None]) for row in x]))
-    assert torch.equal(logits, ops.head(fbgemms, x))
+    assert torch.equal(logits, torch.cat([ops.head(ours, row[None])[0] for row in x]))
+    assert torch.equal(logits, ops.head(fbgemms, x)[0])
+    assert torch.equal(choices, largest(logits))
     assert torch.equal(native_steps.logits(model, x), logits[None])
+    assert torch.equal(carried_choices(native_steps.logits(model, x)), choices[None])
     with torch.inference_mode():
         assert relative_error(model.output(model.norm(x[None]))[0], logits) < 5e-2
+
+
+@pytest.mark.parametrize("rows, vocabulary", [(1, 49152), (3, 32000), (2, 8193), (4, 7), (1, 1)])
+def test_the_heads_greedy_choices_follow_largests_rule(rows: int, vocabulary: int) -> None:
+    """Each row's greedy choice, as the operator's head makes it beside its logits (over column ranges split among
+    threads), is sampling.largest's: the first of equal largest values, a NaN counting as largest, infinities
+    included; on logits made to tie, hold NaNs and infinities in every part of a row."""
+    choices = torch.ops.minilade_native_layer.choices
+    generator = torch.Generator().manual_seed(rows * vocabulary)
+    for trial in range(40):
+        logits = torch.randn(rows, vocabulary, generator=generator)
+        if trial % 2:
+            logits = torch.round(logits)  # many ties, across the threads' parts
+        if trial % 3 == 0:
+            logits[:, torch.randint(vocabulary, (3,), generator=generator)] = float("nan")
+        if trial % 5 == 0:
+            logits[0] = float("-inf")
+        if trial % 7 == 0:
+            logits[-1, torch.randint(vocabulary, (2,), generator=generator)] = float("inf")
+        assert torch.equal(choices(logits), largest(logits)), trial
 
 
 def test_taking_over_the_layers_lets_go_of_their_codes_and_keeps_the_bits() -> None:
