@@ -96,15 +96,16 @@ constexpr int64_t kPrefetchQuads = 16, kPrefetchRows = 8;
 // 4 KiB pages, a pass walks some 33,000 page translations and leaves the processor's translation caches holding its
 // own; in 2 MiB pages it needs some 70. Laid-out codes go into chunks of 2 MiB-aligned memory advised to the kernel as
 // huge pages (MADV_HUGEPAGE: Linux's transparent huge pages serve it unless they are off), a weight's codes a part of
-// a chunk, so that small weights share huge pages; a chunk is freed with the last tensor in it and the arena's hold on
-// the one it fills. Measured on the demo model (2-core Zen 3, plain steps alternating between two registrations of
-// the same weights, one in 4 KiB pages, in one process): x1.065-x1.071 a step.
+// a chunk, so that small weights share huge pages. A chunk is freed once no tensor in it is left and the arena has
+// moved on to another (the codes of a model forgotten meanwhile keep their place in the chunk being filled). Measured
+// on the demo model (2-core Zen 3, plain steps alternating between two registrations of the same weights, one in 4 KiB
+// pages, in one process): x1.065-x1.071 a step.
 class HugePageArena {
  public:
-  // n bytes of uninitialised memory as an int8 tensor of `sizes`, 64-byte aligned, in a huge-page chunk.
-  at::Tensor bytes(at::IntArrayRef sizes, int64_t n) {
+  // An uninitialised int8 tensor of `sizes`, 64-byte aligned, in a huge-page chunk.
+  at::Tensor codes(at::IntArrayRef sizes) {
     std::lock_guard<std::mutex> guard(lock_);
-    const size_t need = (static_cast<size_t>(n) + kAlign - 1) / kAlign * kAlign;
+    const size_t n = static_cast<size_t>(c10::multiply_integers(sizes)), need = (n + kAlign - 1) / kAlign * kAlign;
     if (!chunk_ || chunk_->used + need > chunk_->size) chunk_ = std::make_shared<Chunk>(std::max(need, kChunk));
     std::shared_ptr<Chunk> chunk = chunk_;
     void* at = static_cast<char*>(chunk->base) + chunk->used;
@@ -155,7 +156,7 @@ inline MatmulCodes matmul_codes(const at::Tensor& weight_codes, const at::Tensor
   const int8_t* codes = weight_codes.const_data_ptr<int8_t>();
   const int64_t N = weight_codes.size(0), K = weight_codes.size(1), K4 = (K + 3) / 4 * 4, width = MatmulCodes::width;
   const int64_t n_blocks = (N + width - 1) / width, quads = K4 / 4;
-  laid_out.codes = codes_arena().bytes({n_blocks, quads, width, 4}, n_blocks * quads * width * 4);
+  laid_out.codes = codes_arena().codes({n_blocks, quads, width, 4});
   laid_out.column_sums = at::empty({N}, at::kInt);
   int8_t* out = laid_out.codes.mutable_data_ptr<int8_t>();
   int32_t* column_sums = laid_out.column_sums.mutable_data_ptr<int32_t>();
