@@ -117,6 +117,7 @@ def test_the_heads_greedy_choices_follow_largests_rule(rows: int, vocabulary: in
     """Each row's greedy choice, as the operator's head makes it beside its logits (over column ranges split among
     threads), is sampling.largest's: the first of equal largest values, a NaN counting as largest, infinities
     included; on logits made to tie, hold NaNs and infinities in every part of a row."""
+    assert native_steps.load() is None
     choices = torch.ops.minilade_native_layer.choices
     generator = torch.Generator().manual_seed(rows * vocabulary)
     for trial in range(40):
