@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .kv_cache import KVCache
+from .kv_cache import KVCache, huge_page_zeros
 from .model import SDPAttention, Transformer, step_visibility
 
 KEY_CHUNK = 64  # keys per chunk of attention's reduction; the k-th key a row sees falls in chunk k // KEY_CHUNK
@@ -143,8 +143,8 @@ class PaddedKVCache(KVCache):
                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         slots = round_up(max(capacity, 2 * KEY_CHUNK), KEY_CHUNK) + KEY_CHUNK  # (compiled.graph_layout, SavedGraphs)
         D, shape = config.head_dim, (config.n_layers, batch_size, config.n_kv_heads, slots)
-        k = torch.zeros(*shape, D, dtype=work_dtype(dtype), device=device)
-        v = torch.zeros(*shape, value_columns(D), dtype=work_dtype(dtype), device=device)
+        k = huge_page_zeros((*shape, D), work_dtype(dtype), device)
+        v = huge_page_zeros((*shape, value_columns(D)), work_dtype(dtype), device)
         v[..., D] = 1
         return k, v
 

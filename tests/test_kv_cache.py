@@ -1,10 +1,15 @@
-"""Rollback and compaction leave the cache exactly as if the kept tokens had been fed one by one."""
+"""Rollback and compaction leave the cache exactly as if the kept tokens had been fed one by one; large caches live
+in huge pages."""
 
 from __future__ import annotations
+
+import gc
+import mmap
 
 import pytest
 import torch
 
+from minilade.kv_cache import HUGE_PAGE, huge_page_zeros
 from minilade.masks import CandidateTree, LookaheadLayout, StepShape
 
 from .helpers import tiny_model
@@ -62,3 +67,34 @@ def test_compact_rejects_overflow() -> None:
     cache.commit(3)
     with pytest.raises(ValueError, match=r"3 committed \+ 2 new tokens > capacity 4"):
         cache.compact(torch.tensor([0, 1]))
+
+
+ADVISES_HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def test_huge_page_buffers_are_zeroed_aligned_and_keep_their_memory() -> None:
+    big = huge_page_zeros((4, HUGE_PAGE // 4), torch.float32)  # 8 MiB
+    assert big.shape == (4, HUGE_PAGE // 4) and big.dtype == torch.float32 and not big.any()
+    if ADVISES_HUGE_PAGES:
+        assert big.data_ptr() % HUGE_PAGE == 0
+    big[3, -1], big[0, 0] = 2.5, -1.0
+    gc.collect()  # nothing but the tensor holds the mapping
+    assert big[3, -1] == 2.5 and big[0, 0] == -1.0 and big.sum() == 1.5
+    small = huge_page_zeros((3, 5), torch.float16)  # under a huge page: torch's own memory
+    assert small.shape == (3, 5) and small.dtype == torch.float16 and not small.any()
+
+
+def test_a_cache_in_huge_pages_holds_what_a_small_one_does() -> None:
+    model = tiny_model(vocab=40, dtype=torch.float64)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    with torch.no_grad():
+        cache = model.new_cache(8192)
+        assert cache.k.numel() * cache.k.element_size() >= HUGE_PAGE
+        if ADVISES_HUGE_PAGES:
+            assert cache.k.data_ptr() % HUGE_PAGE == 0 and cache.v.data_ptr() % HUGE_PAGE == 0
+        model(torch.tensor([prompt + [7, 7]]), torch.arange(10), cache)
+        cache.commit(10)
+        cache.truncate(8)
+        model(torch.tensor([[8, 3]]), torch.tensor([8, 9]), cache)
+        cache.commit(2)
+        assert_same_prefix(cache, filled_token_by_token(model, prompt + [8, 3]), 10)
