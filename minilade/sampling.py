@@ -140,13 +140,32 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
-        drop_sorted = mass_before >= params.top_p  # the most likely token always has mass_before 0
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        probs = probs.masked_fill(outside_nucleus(probs, params.top_p), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+NUCLEUS_FIRST = 256  # how many of the most likely tokens outside_nucleus looks among first
+
+
+def outside_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """(..., V) bool: the tokens top-p drops. In the order of a descending sort, a token is dropped where the mass of
+    the tokens before it (mass_before: the sorted probabilities' cumsum less its own) reaches top_p; the most likely
+    token, with mass_before 0, is always kept.
+
+    Sorting all V probabilities takes milliseconds (49,152 of them: 4.5 ms on 2 Zen 3 cores, where a decoding step
+    takes 8), while the kept tokens are usually a few of the most likely. So the k + 1 most likely are taken first
+    (topk, 0.2 ms for 257), and only where the last of them is not yet dropped in some row, more (k eight times
+    larger, up to all V). What is computed is what a whole sort gives: topk's values are the sort's first k + 1 in
+    the same order, and their cumsum the sort's first k + 1 prefix sums; mass_before never falls along the sorted
+    order, so once the (k + 1)-th token is dropped every later one is."""
+    V, k = probs.shape[-1], NUCLEUS_FIRST
+    while True:
+        top, order = torch.topk(probs, min(V, k + 1), dim=-1)  # descending
+        dropped = top.cumsum(-1) - top >= top_p
+        if top.shape[-1] == V or bool(dropped[..., -1].all()):
+            return torch.ones_like(probs, dtype=torch.bool).scatter_(-1, order, dropped)
+        k *= 8
 
 
 class Sampler:
@@ -188,9 +207,20 @@ class Sampler:
         return warp(logits, self.params)
 
     def draw(self, probs: torch.Tensor) -> torch.Tensor:
-        """One token per row of probs (..., V) -> (...)."""
-        flat = probs.reshape(-1, probs.shape[-1])
-        return torch.multinomial(flat, 1, generator=self.generator).view(probs.shape[:-1])
+        """One token per row of probs (..., V) -> (...), each token with its probability (the rows need not sum to
+        1): the first token whose cumulative probability exceeds a uniform draw times the row's total, in float64.
+        One uniform a row: torch.multinomial draws a row of 49,152 from as many random numbers, 1.6 ms on 2 Zen 3
+        cores. A row that is not a distribution (a NaN or infinity, or nothing but zeros) is a ValueError."""
+        flat = probs.reshape(-1, probs.shape[-1]).double()
+        cumulative = flat.cumsum(-1)
+        total = cumulative[:, -1:]
+        if not bool(((total > 0) & (total < math.inf)).all()):
+            raise ValueError("cannot sample: the model's probabilities hold a NaN or an infinity, or are all zero")
+        u = torch.rand(total.shape, dtype=torch.float64, generator=self.generator, device=probs.device)
+        # u * total can round up to total itself: then the last token the cumulative sum rises at
+        chosen = torch.minimum(torch.searchsorted(cumulative, u * total, right=True),
+                               torch.searchsorted(cumulative, total))
+        return chosen.view(probs.shape[:-1])
 
     def next_token(self, logits: torch.Tensor) -> int:
         """The token after the last row of a forward's logits (1, T, V), as the forward returned them: pick(penalize(

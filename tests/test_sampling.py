@@ -1,14 +1,16 @@
-"""Sampling: warping, settings, seeded reproducibility, and no global random state."""
+"""Sampling: warping, top-p without a whole sort, drawing, settings, seeded reproducibility, and no global random
+state."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
 from minilade.decoding import Autoregressive, GenerationSettings, GenerationStats, Lookahead, TokenRun, decode_tokens
-from minilade.sampling import SamplingParams, largest, seeded, warp
+from minilade.sampling import NUCLEUS_FIRST, Sampler, SamplingParams, largest, outside_nucleus, seeded, warp
 
 from .helpers import run_tokens, tiny_model
 
@@ -25,6 +27,55 @@ def test_warp_temperature_top_k_top_p() -> None:
     torch.testing.assert_close(top_p, torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
     only_best = warp(logits, SamplingParams(temperature=1.0, top_p=0.01))
     torch.testing.assert_close(only_best, torch.tensor([1.0, 0, 0, 0, 0]))
+
+
+def sorted_outside_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p's rule over a whole descending sort: a token is dropped where the mass before it reaches top_p."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    dropped = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+    return dropped.scatter(-1, order, dropped)
+
+
+@pytest.mark.parametrize("vocabulary", [5, NUCLEUS_FIRST + 1, 3000, 49152])
+def test_top_p_drops_what_a_whole_sort_drops(vocabulary: int) -> None:
+    """outside_nucleus looks among the most likely tokens first and further only where it must: the tokens it drops
+    are those a whole sort's rule drops, bit for bit, for nuclei of one token to all of them (flat distributions,
+    past every first look), in batches of rows whose nuclei differ, with ties across the cut."""
+    generator = torch.Generator().manual_seed(vocabulary)
+    for trial in range(24):
+        spread = (0.05, 0.5, 2.0, 8.0)[trial % 4]
+        logits = torch.randn(3, vocabulary, generator=generator) * spread
+        if trial % 3 == 0:
+            logits = torch.round(logits * 2) / 2  # many equal logits: equal probabilities
+        probs = torch.softmax(logits, -1)
+        for top_p in (1e-6, 0.3, 0.9, 0.999, 1 - 1e-7):
+            got = outside_nucleus(probs, top_p)
+            want = sorted_outside_nucleus(probs, top_p)
+            if trial % 3 == 0:  # ties: which of equal tokens a sort puts first is its own choice; the kept values
+                assert torch.equal(probs.masked_fill(got, 0).sort(-1).values,
+                                   probs.masked_fill(want, 0).sort(-1).values), (trial, top_p)
+            else:
+                assert torch.equal(got, want), (trial, top_p)
+            assert (probs.masked_fill(got, 0).amax(-1) == probs.amax(-1)).all()  # a most likely token stays
+
+
+def test_draws_follow_the_distribution_and_refuse_what_is_none() -> None:
+    """Sampler.draw takes each token with its probability (rows need not sum to 1; a chi-square test over 60,000
+    draws), never one of probability 0, is reproducible from its seed, and refuses a row that is no distribution."""
+    probs = torch.tensor([[0.0, 0.5, 0.2, 0.0, 0.25, 0.05]] * 2) * torch.tensor([[1.0], [3.0]])
+    draws = Sampler(SamplingParams(temperature=1.0, seed=3)).draw(probs.repeat(30000, 1)).view(-1)
+    counts = torch.bincount(draws, minlength=6).double()
+    assert counts[0] == counts[3] == 0
+    expected = probs[0] / probs[0].sum() * draws.numel()
+    kept = expected > 0
+    chi_square = float(((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum())
+    assert chi_square < 16.3  # 3 degrees of freedom: p = 0.001
+    again = Sampler(SamplingParams(temperature=1.0, seed=3)).draw(probs.repeat(30000, 1)).view(-1)
+    assert torch.equal(draws, again)
+    assert int(Sampler(SamplingParams(temperature=1.0)).draw(torch.tensor([0.0, 0.0, 1e-30, 0.0]))) == 2
+    for broken in (torch.zeros(4), torch.tensor([0.5, math.nan, 0.5]), torch.tensor([0.5, math.inf])):
+        with pytest.raises(ValueError, match="cannot sample"):
+            Sampler(SamplingParams(temperature=1.0)).draw(broken)
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_k=-1),
