@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minilade.decoding import Autoregressive, GenerationSettings, GenerationStats, Lookahead, TokenRun, decode_tokens
-from minilade.sampling import NUCLEUS_FIRST, Sampler, SamplingParams, largest, outside_nucleus, seeded, warp
+from minilade.sampling import NUCLEUS_FIRST, Sampler, SamplingParams, largest, nucleus, seeded, warp
 
 from .helpers import run_tokens, tiny_model
 
@@ -37,10 +37,11 @@ def sorted_outside_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("vocabulary", [5, NUCLEUS_FIRST + 1, 3000, 49152])
-def test_top_p_drops_what_a_whole_sort_drops(vocabulary: int) -> None:
-    """outside_nucleus looks among the most likely tokens first and further only where it must: the tokens it drops
-    are those a whole sort's rule drops, bit for bit, for nuclei of one token to all of them (flat distributions,
-    past every first look), in batches of rows whose nuclei differ, with ties across the cut."""
+def test_top_p_keeps_what_a_whole_sort_keeps(vocabulary: int) -> None:
+    """nucleus looks among the most likely tokens first and further only where it must: the tokens it keeps are
+    those a whole sort's rule keeps, bit for bit, for nuclei of one token to all of them (flat distributions, past
+    every first look), in batches of rows whose nuclei differ, with ties across the cut; their probabilities
+    renormalised."""
     generator = torch.Generator().manual_seed(vocabulary)
     for trial in range(24):
         spread = (0.05, 0.5, 2.0, 8.0)[trial % 4]
@@ -49,14 +50,16 @@ def test_top_p_drops_what_a_whole_sort_drops(vocabulary: int) -> None:
             logits = torch.round(logits * 2) / 2  # many equal logits: equal probabilities
         probs = torch.softmax(logits, -1)
         for top_p in (1e-6, 0.3, 0.9, 0.999, 1 - 1e-7):
-            got = outside_nucleus(probs, top_p)
-            want = sorted_outside_nucleus(probs, top_p)
+            got = nucleus(probs, top_p)
+            dropped = sorted_outside_nucleus(probs, top_p)
+            want = probs.masked_fill(dropped, 0) / probs.masked_fill(dropped, 0).sum(-1, keepdim=True)
             if trial % 3 == 0:  # ties: which of equal tokens a sort puts first is its own choice; the kept values
-                assert torch.equal(probs.masked_fill(got, 0).sort(-1).values,
-                                   probs.masked_fill(want, 0).sort(-1).values), (trial, top_p)
+                assert torch.equal(probs.masked_fill(got == 0, 0).sort(-1).values,
+                                   probs.masked_fill(dropped, 0).sort(-1).values), (trial, top_p)
             else:
-                assert torch.equal(got, want), (trial, top_p)
-            assert (probs.masked_fill(got, 0).amax(-1) == probs.amax(-1)).all()  # a most likely token stays
+                assert torch.equal(got == 0, dropped), (trial, top_p)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
+            assert (probs.masked_fill(got == 0, 0).amax(-1) == probs.amax(-1)).all()  # a most likely token stays
 
 
 def test_draws_follow_the_distribution_and_refuse_what_is_none() -> None:
