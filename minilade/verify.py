@@ -150,6 +150,7 @@ def sample_verify(probs0: torch.Tensor, candidates: torch.Tensor, cand_logits: t
     best = torch.zeros((), dtype=torch.long, device=device)
     p = probs0
     uniforms = sampler.uniform(g * K, device).view(K, g)
+    eager = device.type == "cpu"  # where reading a flag back costs nothing: stop at the first rejection
     for i in range(K):
         tokens = candidates[:, i].clamp_min(0)  # padding (past a candidate's end) never tries, so any id will do
         present = alive & inside[:, i]
@@ -161,11 +162,16 @@ def sample_verify(probs0: torch.Tensor, candidates: torch.Tensor, cand_logits: t
         accept = tries & (uniforms[i] * (1.0 - mass_before).clamp_min(1e-30) < p_try)
         accepted = running & accept.any()
         winner = accept.int().argmax()  # first accepted try (meaningless unless `accepted`)
-        # Where the walk stops here, p becomes the residual: the tried tokens' mass removed, renormalised.
-        residual = p.index_fill(0, tokens[tries], 0.0)
-        residual = residual / residual.sum().clamp_min(1e-30)
-        p_next = sampler.probs(cand_logits[winner, i])
-        p = torch.where(accepted, p_next, torch.where(running, residual, p))
+        # Where the walk stops here, p becomes the residual: the tried tokens' mass removed, renormalised. Where it
+        # goes on, the model's distribution after the accepted token; nothing changes once it stopped.
+        if eager:
+            if not bool(accepted):  # `running` held until here, or the loop would have ended
+                p = residual(p, tokens[tries])
+                break
+            p = sampler.probs(cand_logits[winner, i])
+        else:
+            p_next = sampler.probs(cand_logits[winner, i])
+            p = torch.where(accepted, p_next, torch.where(running, residual(p, tokens[tries]), p))
         alive = present & (tokens == tokens[winner]) & accepted
         best = torch.where(accepted, winner, best)
         n_accepted = n_accepted + accepted.long()
@@ -174,3 +180,9 @@ def sample_verify(probs0: torch.Tensor, candidates: torch.Tensor, cand_logits: t
     emitted = torch.cat([candidates[best], last.view(1)])
     emitted[n_accepted] = last
     return best, n_accepted, emitted
+
+
+def residual(p: torch.Tensor, tried: torch.Tensor) -> torch.Tensor:
+    """p (V,) with the tried tokens' mass removed, renormalised."""
+    rest = p.index_fill(0, tried, 0.0)
+    return rest / rest.sum().clamp_min(1e-30)
