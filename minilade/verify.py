@@ -122,7 +122,8 @@ def read_back(*tensors: torch.Tensor) -> list[list[int]]:
 
 
 def sample_verify(probs0: torch.Tensor, candidates: torch.Tensor, cand_logits: torch.Tensor, sampler: Sampler,
-                  lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  lengths: torch.Tensor | None = None, branch_free: bool | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lossless verification of deterministic drafts under sampling (Lookahead Decoding, Algorithm 4).
 
     probs0: (V,) the warped distribution after x. cand_logits: (g, K, V) the logits after each candidate token
@@ -135,6 +136,9 @@ def sample_verify(probs0: torch.Tensor, candidates: torch.Tensor, cand_logits: t
     part at position i only while i < its length; once the alive ones have all ended, the walk stops there and
     the bonus token is drawn (ragged candidates: a trie whose leaves lie at different depths).
     Each emitted token is thus distributed exactly as autoregressive sampling would draw it.
+
+    branch_free: whether the walk runs every position without reading anything back (None: off the CPU, where a
+    read-back waits for the device). On the CPU it stops at the first rejection instead; after one, nothing changes.
 
     Returns (best, n_accepted, emitted): a surviving candidate, the number of its tokens accepted (0..length) and
     emitted (K + 1,), whose first n_accepted + 1 entries are the tokens of this step.
@@ -150,7 +154,8 @@ def sample_verify(probs0: torch.Tensor, candidates: torch.Tensor, cand_logits: t
     best = torch.zeros((), dtype=torch.long, device=device)
     p = probs0
     uniforms = sampler.uniform(g * K, device).view(K, g)
-    eager = device.type == "cpu"  # where reading a flag back costs nothing: stop at the first rejection
+    if branch_free is None:
+        branch_free = device.type != "cpu"
     for i in range(K):
         tokens = candidates[:, i].clamp_min(0)  # padding (past a candidate's end) never tries, so any id will do
         present = alive & inside[:, i]
@@ -164,14 +169,14 @@ def sample_verify(probs0: torch.Tensor, candidates: torch.Tensor, cand_logits: t
         winner = accept.int().argmax()  # first accepted try (meaningless unless `accepted`)
         # Where the walk stops here, p becomes the residual: the tried tokens' mass removed, renormalised. Where it
         # goes on, the model's distribution after the accepted token; nothing changes once it stopped.
-        if eager:
-            if not bool(accepted):  # `running` held until here, or the loop would have ended
-                p = residual(p, tokens[tries])
-                break
-            p = sampler.probs(cand_logits[winner, i])
-        else:
+        if branch_free:
             p_next = sampler.probs(cand_logits[winner, i])
             p = torch.where(accepted, p_next, torch.where(running, residual(p, tokens[tries]), p))
+        elif not bool(accepted):  # `running` held until here, or the loop would have ended
+            p = residual(p, tokens[tries])
+            break
+        else:
+            p = sampler.probs(cand_logits[winner, i])
         alive = present & (tokens == tokens[winner]) & accepted
         best = torch.where(accepted, winner, best)
         n_accepted = n_accepted + accepted.long()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from minilade.sampling import Sampler, SamplingParams
@@ -206,13 +207,17 @@ def test_greedy_walk_equals_its_tensor_form() -> None:
         assert (best, n, chain[:n + 1]) == greedy_by_tensors(first, candidates, choices, lengths)
 
 
-def test_sample_verify_equals_its_loop_form() -> None:
+@pytest.mark.parametrize("branch_free", [False, True], ids=["stopping", "branch-free"])
+def test_sample_verify_equals_its_loop_form(branch_free: bool) -> None:
+    """Both ways of walking the positions (stopping at the first rejection, on the CPU; every position without a
+    read-back, on other devices) draw what the loops draw."""
     gen = torch.Generator().manual_seed(1)
     for case in range(300):
         candidates, lengths = random_case(gen, vocab=4)
         x_logits = torch.randn(V, generator=gen)
         cand_logits = torch.randn(*candidates.shape, V, generator=gen) * 2
         vectorised, loops = (Sampler(SamplingParams(temperature=1.0, seed=case)) for _ in range(2))
-        best, n, emitted = sample_verify(vectorised.probs(x_logits), candidates, cand_logits, vectorised, lengths)
+        best, n, emitted = sample_verify(vectorised.probs(x_logits), candidates, cand_logits, vectorised, lengths,
+                                         branch_free)
         expected = sample_by_loops(loops.probs(x_logits), candidates, cand_logits, loops, lengths.tolist())
         assert (int(best), int(n), emitted[:int(n) + 1].tolist()) == expected
