@@ -28,7 +28,7 @@ class KVCache:
     def allocate(self, config: ModelConfig, capacity: int, batch_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """The zeroed k and v buffers, (n_layers, B, Hkv, capacity, D) each, in huge pages where the system gives
-        them (every pass reads them: memory.huge_page_zeros)."""
+        them (every pass reads them: huge_page_zeros)."""
         shape = (config.n_layers, batch_size, config.n_kv_heads, capacity, config.head_dim)
         return huge_page_zeros(shape, dtype, device), huge_page_zeros(shape, dtype, device)
 
@@ -89,5 +89,8 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     mapping = mmap.mmap(-1, n_bytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # private: a shared one is shmem, no THP
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # its storage holds the mapping alive
     start = -whole.data_ptr() % HUGE_PAGE
-    mapping.madvise(mmap.MADV_HUGEPAGE, start, n_bytes - n_bytes % mmap.PAGESIZE)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, n_bytes - n_bytes % mmap.PAGESIZE)
+    except OSError:  # a kernel without transparent huge pages: 4 KiB pages
+        pass
     return whole[start:start + n_bytes].view(dtype).view(shape)

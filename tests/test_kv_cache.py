@@ -84,6 +84,14 @@ def test_huge_page_buffers_are_zeroed_aligned_and_keep_their_memory() -> None:
     assert small.shape == (3, 5) and small.dtype == torch.float16 and not small.any()
 
 
+@pytest.mark.skipif(not ADVISES_HUGE_PAGES, reason="no madvise(MADV_HUGEPAGE) here")
+def test_a_kernel_that_refuses_the_advice_leaves_the_buffer_in_small_pages(monkeypatch) -> None:
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF)  # advice no kernel knows: madvise fails with EINVAL
+    buffer = huge_page_zeros((HUGE_PAGE // 4,), torch.float32)
+    buffer[-1] = 3.0
+    assert buffer.sum() == 3.0
+
+
 def test_a_cache_in_huge_pages_holds_what_a_small_one_does() -> None:
     model = tiny_model(vocab=40, dtype=torch.float64)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
