@@ -156,8 +156,10 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     larger, up to all V). Which tokens are kept is what a whole sort gives: topk's values are the sort's first k + 1
     in the same order, and their cumsum the sort's first k + 1 prefix sums; mass_before never falls along the sorted
     order, so once the (k + 1)-th token is dropped every later one is. The kept probabilities are summed among
-    themselves and written into zeros: no other pass over all V."""
-    V, k = probs.shape[-1], NUCLEUS_FIRST
+    themselves and written into zeros: no other pass over all V. Off the CPU it sorts all V at once: fast there, and
+    looking further would read a flag back from the device."""
+    V = probs.shape[-1]
+    k = NUCLEUS_FIRST if probs.device.type == "cpu" else V
     while True:
         top, order = torch.topk(probs, min(V, k + 1), dim=-1)  # descending
         dropped = top.cumsum(-1) - top >= top_p
