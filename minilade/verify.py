@@ -22,8 +22,10 @@ class Verdict:
     """What verification decided in one step, on the host.
 
     emitted: the step's tokens (the accepted candidate tokens, then the model's next token). winner: the index of
-    the accepted candidate (meaningful when n_accepted > 0). matches: per candidate, its leading tokens equal to
-    the model's argmax chain (what a greedy walk would accept; the draft calibration learns from it).
+    the accepted candidate (meaningful when n_accepted > 0). matches: per candidate, how many of its leading tokens
+    were accepted, or would have been on its own: its common prefix with the tokens the step accepted (greedy: with
+    the model's argmax chain along it). The draft calibration learns from them: token i of a candidate had its
+    parent accepted when i <= matches, and was accepted itself when i < matches.
     """
 
     emitted: list[int]
@@ -43,50 +45,49 @@ def verify_tree(sampler: Sampler, logits: torch.Tensor, shape: StepShape, tree: 
     synchronisation; the walk along the candidates runs on the host (greedy_walk), over a few dozen integers.
     max_accepted caps the accepted tokens (the published reference's N - 1; None: no cap)."""
     paths = tree.paths()
-    drawn = None
     if sampler.greedy and not sampler.penalizes:  # a node's choice is the same in every candidate through it
         row_choices = read_back(greedy_choices(logits)[0])[0]  # every row's, made by the forward or now
-        first, level = row_choices[0], row_choices[shape.level_logits]
-        after = row_choices[shape.node_logits_from:]
-        choices = [[after[node] for node in nodes] for nodes in tree.node_of.tolist()]
+        level, after = row_choices[shape.level_logits], row_choices[shape.node_logits_from:]
+        greedy, drawn = (row_choices[0], [[after[node] for node in nodes] for nodes in tree.node_of.tolist()]), None
     else:
-        first, level, choices, drawn = judged_per_candidate(sampler, logits[0], shape, tree)
-    winner, n_accepted, chain, matches = greedy_walk(first, choices, paths)
-    if drawn is not None:  # sampled: the draws decide; the greedy walk's matches still teach the draft calibration
+        level, greedy, drawn = judged_per_candidate(sampler, logits[0], shape, tree)
+    if drawn is None:
+        winner, n_accepted, chain, matches = greedy_walk(*greedy, paths)
+    else:  # sampled: the draws decide, and what they accepted is what the calibration learns
         winner, n_accepted, chain = drawn
+        matches = [common_prefix(path, chain[:n_accepted]) for path in paths]
     if max_accepted is not None:
         n_accepted = min(n_accepted, max_accepted)
     return Verdict(chain[:n_accepted + 1], winner, n_accepted, matches), level
 
 
 def judged_per_candidate(sampler: Sampler, logits: torch.Tensor, shape: StepShape, tree: CandidateTree
-                         ) -> tuple[int, list[int], list[list[int]], tuple[int, int, list[int]] | None]:
+                         ) -> tuple[list[int], tuple[int, list[list[int]]] | None, tuple[int, int, list[int]] | None]:
     """verify_tree with penalties or sampling: each candidate token judged by its node's logits penalized with its
     own history (the committed text and the candidate up to that token, as plain decoding would have it had it
-    emitted them), and when sampling, the candidates tried by sample_verify. Returns (the model's choice after x,
-    the window level's choices, each candidate's choices (g, K), and the draws' (winner, n_accepted, chain) or
-    None when greedy), read back in one transfer."""
+    emitted them). Greedy, by the choices there; sampling, by sample_verify's draws. Returns (the window level's
+    choices, greedy: (the model's choice after x, each candidate's choices (g, K)) else None, sampling: the draws'
+    (winner, n_accepted, chain) else None), read back in one transfer."""
     device = logits.device
     x_logits = sampler.penalize(logits[0])
     g, K = tree.node_of.shape
-    tensors = [largest(x_logits).view(1), largest(logits[shape.level_logits])]
+    tensors = [largest(logits[shape.level_logits])]
     if g:
         candidates = tree.tokens[tree.node_of].to(device)  # (g, K), past a candidate's end: its last token again
         cand_logits = sampler.penalize(logits[shape.node_logits_from:][tree.node_of.to(device)], candidates)
-        tensors.append(largest(cand_logits))  # (g, K)
-    if not sampler.greedy:
-        if g:
-            best, n_accepted, chain = sample_verify(sampler.probs(x_logits), candidates, cand_logits, sampler,
-                                                    lengths=tree.lengths.to(device))
-        else:
-            best = n_accepted = torch.zeros((), dtype=torch.long, device=device)
-            chain = sampler.draw(sampler.probs(x_logits)).view(1)
+    if sampler.greedy:
+        tensors += [largest(x_logits).view(1)] + ([largest(cand_logits)] if g else [])
+    elif g:
+        best, n_accepted, chain = sample_verify(sampler.probs(x_logits), candidates, cand_logits, sampler,
+                                                lengths=tree.lengths.to(device))
         tensors += [best.view(1), n_accepted.view(1), chain]
-    first, level, *rest = read_back(*tensors)
-    flat = rest.pop(0) if g else []
-    choices = [flat[j * K:(j + 1) * K] for j in range(g)]
-    drawn = None if sampler.greedy else (rest[0][0], rest[1][0], rest[2])
-    return first[0], level, choices, drawn
+    else:
+        tensors += [sampler.draw(sampler.probs(x_logits)).view(1)]
+    level, *rest = read_back(*tensors)
+    if sampler.greedy:
+        flat = rest[1] if g else []
+        return level, (rest[0][0], [flat[j * K:(j + 1) * K] for j in range(g)]), None
+    return level, None, ((rest[0][0], rest[1][0], rest[2]) if g else (0, 0, rest[0]))
 
 
 def greedy_walk(first: int, choices: list[list[int]], paths: list[list[int]]
@@ -109,6 +110,16 @@ def greedy_walk(first: int, choices: list[list[int]], paths: list[list[int]]
     winner = max(range(len(paths)), key=matches.__getitem__, default=0)
     n_accepted = matches[winner] if paths else 0
     return winner, n_accepted, [first] + (choices[winner][:n_accepted] if paths else []), matches
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def read_back(*tensors: torch.Tensor) -> list[list[int]]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minilade.masks import CandidateTree, LookaheadLayout, StepShape
 from minilade.sampling import Sampler, SamplingParams
-from minilade.verify import greedy_walk, sample_verify
+from minilade.verify import greedy_walk, sample_verify, verify_tree
 
 
 def greedy(first: int, candidates: list[list[int]], choices: list[list[int]]) -> tuple[int, int, list[int]]:
@@ -221,3 +222,18 @@ def test_sample_verify_equals_its_loop_form(branch_free: bool) -> None:
                                          branch_free)
         expected = sample_by_loops(loops.probs(x_logits), candidates, cand_logits, loops, lengths.tolist())
         assert (int(best), int(n), emitted[:int(n) + 1].tolist()) == expected
+
+
+def test_a_sampled_verdict_teaches_the_calibration_what_the_draws_accepted() -> None:
+    """Sampled, a candidate's matches are its leading tokens the draws accepted, not those the model's argmax would:
+    x's likeliest token is 2, but the draws accept 1 (u 0.1 < p 0.3), reject 3 after it (u 0.5 >= 0.4) and accept 4
+    against the residual (u 0.3 * 0.6 < 0.2)."""
+    tree = CandidateTree.of([[1, 3], [1, 4], [2, 0]])
+    after_node = {1: D1, 3: D2, 4: D3, 2: D2, 0: D3}
+    logits = torch.stack([torch.log(P0)] + [after_node[t] for t in tree.tokens.tolist()])[None]
+    shape = StepShape(LookaheadLayout(window=1, ngram=2, guesses=0), with_window=False, device=torch.device("cpu"))
+    verdict, _ = verify_tree(ScriptedSampler([0.1, 0.0, 0.9, 0.5, 0.3, 0.9]), logits, shape, tree)
+    assert (verdict.winner, verdict.n_accepted, verdict.emitted[:2]) == (1, 2, [1, 4])
+    assert verdict.matches == [1, 2, 0]
+    greedy, _ = verify_tree(Sampler(SamplingParams()), logits, shape, tree)
+    assert greedy.matches == [0, 0, 2] and greedy.emitted[:2] == [2, 0]  # D2's likeliest token is 0
