@@ -10,6 +10,7 @@ and a wholly accepted path is still followed by the model's next token (the bonu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -112,7 +113,7 @@ def greedy_walk(first: int, choices: list[list[int]], paths: list[list[int]]
     return winner, n_accepted, [first] + (choices[winner][:n_accepted] if paths else []), matches
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens a and b share."""
     n = 0
     for x, y in zip(a, b):

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..ngram_pool import NGramPool
+from ..verify import common_prefix
 from .history import DraftHistory
 from .recycle import RecycleTable
 from .suffix import SuffixIndex
@@ -114,13 +115,7 @@ class RecycledDrafts(DraftSource):
 
 def leading_matches(paths: Sequence[DraftPath], truth: Sequence[int]) -> list[int]:
     """Per path, how many of its first tokens equal the text that really followed."""
-    out = []
-    for p in paths:
-        m = 0
-        while m < len(p.tokens) and m < len(truth) and p.tokens[m] == truth[m]:
-            m += 1
-        out.append(m)
-    return out
+    return [common_prefix(p.tokens, truth) for p in paths]
 
 
 PathMaker = Callable[[Sequence[int]], list[DraftPath]]

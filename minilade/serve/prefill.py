@@ -27,6 +27,7 @@ import torch
 from ..invariance import ExactAttention
 from ..kv_cache import KVCache
 from ..model import Transformer
+from ..verify import common_prefix
 from .batched import ForwardCall
 
 MIN_REUSE = 4  # fewer common tokens than this are recomputed: not worth a copy
@@ -57,15 +58,6 @@ class Hit:
 
     kept: Kept
     n: int
-
-
-def common_prefix(a: tuple[int, ...], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class PrefixCache:
