@@ -31,7 +31,7 @@ from .checkpoints.gguf_quant import INT4_TYPES, gguf_embedding, gguf_int4_weight
 from .checkpoints.hf import config_from_hf
 from .checkpoints.resolve import CHECK_TABLE, COST_TABLE, kept_tables_dir
 from .decoding import Auto, GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens, make_strategy
-from .decoding.loop import cache_for
+from .decoding.loop import cache_for, check_prompt, fitted_strategy
 from .decoding.step_costs import quantized_layers
 from .device import choose_dtype, choose_quantization, default_device, make_exact, resolve_dtype
 from .integer_linear import pack_layers, w7a8_missing
@@ -239,23 +239,82 @@ class LLM:
         return list(prompt)
 
     def generate(self, prompt: Prompt, **options: Any) -> Generation:
-        """Generate to the end; options as for stream()."""
+        """Generate to the end; options as for prepare()."""
         stream = self.stream(prompt, **options)
         for _ in stream:
             pass
         return stream.result
 
-    def stream(self, prompt: Prompt, *, chat: bool = False, system: str | None = None, max_new_tokens: int = 256,
-               temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-               repetition_penalty: float | None = None, presence_penalty: float | None = None,
-               frequency_penalty: float | None = None, seed: int | None = None, stop: Sequence[str] | str = (),
-               strategy: Strategy | str = "auto") -> TextStream:
-        """An iterator of text pieces; its .result holds the Generation once it is exhausted.
+    def stream(self, prompt: Prompt, **options: Any) -> TextStream:
+        """An iterator of text pieces; its .result holds the Generation once it is exhausted. Options as for
+        prepare(), checked before anything runs."""
+        prompt_ids, settings = self.prepare(prompt, **options)
+        self.other_thread_warning()
+        return TextStream(self, prompt_ids, settings)
+
+    def generate_many(self, prompts: Sequence[Prompt], *, concurrency: int = 8, **options: Any) -> list[Generation]:
+        """generate() for every prompt, up to `concurrency` generations at a time sharing each forward pass (the
+        server's engine, serve/engine.py, its passes run in this thread): one Generation per prompt, in order, each
+        the one generate() gives that prompt alone (greedy, or sampled with a seed). Options as for prepare(), the
+        same for every prompt; every prompt and option is checked before anything runs. A generation that fails
+        ends the others, and its error is raised."""
+        from .serve.engine import Engine, Job  # the engine imports this module
+
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"concurrency must be a whole number >= 1, got {concurrency!r}")
+        prepared = []
+        for prompt in prompts:
+            prompt_ids, settings = self.prepare(prompt, **options)
+            check_prompt(prompt_ids, self.model)
+            prepared.append((prompt_ids, self.with_step_costs(prompt_ids, settings)))
+        self.other_thread_warning()
+        engine = Engine(self, max_concurrent=concurrency, queue_size=len(prepared))
+        ended: list[tuple[str, Any] | None] = [None] * len(prepared)
+        jobs: list[Job] = []
+
+        def deliver(i: int, kind: str, value: Any) -> None:  # from the job's worker thread
+            if kind == "piece":
+                return
+            ended[i] = (kind, value)
+            if kind == "error":
+                for job in jobs:
+                    engine.cancel(job)
+
+        for i, (prompt_ids, settings) in enumerate(prepared):
+            jobs.append(Job(prompt_ids, settings, functools.partial(deliver, i)))
+            engine.submit(jobs[-1])
+        try:
+            engine.drain()
+        except BaseException:  # an interrupt in this thread: the workers are cancelled and wound down
+            engine.stop()
+            engine.drain()
+            raise
+        error = next((value for kind, value in filter(None, ended) if kind == "error"), None)
+        if error is not None:
+            raise error
+        return [value for _, value in ended]
+
+    def with_step_costs(self, prompt_ids: list[int], settings: GenerationSettings) -> GenerationSettings:
+        """settings whose auto strategy carries the step costs its decoder would measure on this model alone, for
+        a generation in the engine, which sees a proxy of the model that cannot time a step: the same costs give the
+        same plans, and a sampled answer depends on its plans."""
+        strategy = settings.strategy
+        if not isinstance(strategy, Auto) or strategy.costs is not None:
+            return settings
+        costs = fitted_strategy(self.model, len(prompt_ids), settings).step_costs(self.model)
+        return dataclasses.replace(settings, strategy=dataclasses.replace(strategy, costs=costs))
+
+    def prepare(self, prompt: Prompt, *, chat: bool = False, system: str | None = None, max_new_tokens: int = 256,
+                temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                repetition_penalty: float | None = None, presence_penalty: float | None = None,
+                frequency_penalty: float | None = None, seed: int | None = None, stop: Sequence[str] | str = (),
+                strategy: Strategy | str = "auto") -> tuple[list[int], GenerationSettings]:
+        """One generation's prompt token ids and settings, checked: what stream() runs and generate_many() queues.
         Sampling options left None take the checkpoint's generation defaults (self.generation_defaults), else
         greedy decoding without penalties (sampling.SamplingParams says what each means). The default strategy,
         auto, is lookahead shaped from measured step costs (plain decoding's output, or its distribution when
         sampling), with its step costs kept in self.tables (also for an Auto given without a cost_file);
-        "autoregressive" is plain decoding. Settings and prompt are checked here, before anything runs."""
+        "autoregressive" is plain decoding."""
         given = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
         if isinstance(strategy, str):
@@ -265,8 +324,7 @@ class LLM:
         settings = GenerationSettings(
             strategy=strategy,
             sampling=merge_sampling(self.generation_defaults, given), max_new_tokens=max_new_tokens, stop=stop)
-        self.other_thread_warning()
-        return TextStream(self, self.encode(prompt, chat=chat, system=system), settings)
+        return self.encode(prompt, chat=chat, system=system), settings
 
     def other_thread_warning(self) -> None:
         """Warn once when a generation on the CPU starts in another thread than the one that loaded the model

@@ -220,3 +220,72 @@ def test_a_generation_reports_the_peak_memory(llm: LLM) -> None:
     out = llm.generate("the cat", max_new_tokens=2)
     assert out.peak_memory >= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 * 0.99 > 0
     assert out.as_dict()["peak_memory_mib"] == round(out.peak_memory / 2**20, 1)
+
+
+def test_generate_many_gives_each_prompt_what_it_gets_alone_in_shared_passes(llm: LLM, monkeypatch) -> None:
+    """Greedy (auto, lookahead, plain) and seeded sampling, stop strings, a chat prompt: each result equals
+    generate()'s for its prompt alone, in order, and the generations did share passes."""
+    import minilade.serve.engine as engine
+
+    widest, batched = [0], engine.batched_forward
+    monkeypatch.setattr(engine, "batched_forward",
+                        lambda model, calls, *rest: widest.append(len(calls)) or batched(model, calls, *rest))
+    prompts = ["a b c", "the cat sat on the mat the cat", [3, 4, 5, 6], "hello world", "mat sat"]
+    for options in (dict(), dict(strategy=Lookahead(3, 3, 3)), dict(strategy="autoregressive", stop="t"),
+                    dict(temperature=0.9, top_p=0.9, seed=7)):
+        many = llm.generate_many(prompts, concurrency=3, max_new_tokens=24, **options)
+        alone = [llm.generate(prompt, max_new_tokens=24, **options) for prompt in prompts]
+        assert [(g.token_ids, g.text, g.finish_reason) for g in many] == \
+            [(g.token_ids, g.text, g.finish_reason) for g in alone], options
+    assert max(widest) == 3  # three generations in one pass, never more
+    chat = llm.generate_many(["hello"], chat=True, system="be brief", max_new_tokens=8)
+    assert chat[0].prompt_ids == llm.encode("hello", chat=True, system="be brief")
+
+
+def test_generate_many_checks_every_prompt_before_anything_runs(llm: LLM, monkeypatch) -> None:
+    import minilade.serve.engine as engine
+
+    monkeypatch.setattr(engine.Engine, "submit", lambda *args: pytest.fail("a generation was queued"))
+    with pytest.raises(ValueError, match="the prompt has 200 tokens but the model's context is 128"):
+        llm.generate_many(["a b", [1] * 200])
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        llm.generate_many(["a b"], temperature=-1.0)
+    with pytest.raises(ValueError, match="concurrency must be a whole number >= 1"):
+        llm.generate_many(["a b"], concurrency=0)
+    assert llm.generate_many([]) == []
+
+
+def test_generate_many_raises_a_failed_generations_error_and_an_interrupt_winds_the_others_down(
+        llm: LLM, monkeypatch) -> None:
+    import minilade.serve.engine as engine
+
+    stream = engine.TextStream
+
+    def failing(view, prompt_ids, settings):
+        if prompt_ids == [9, 9, 9]:
+            raise ValueError("this one fails")
+        return stream(view, prompt_ids, settings)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "TextStream", failing)
+        with pytest.raises(ValueError, match="this one fails"):
+            llm.generate_many([[3, 4], [9, 9, 9], [5, 6]], max_new_tokens=16)
+    passes, batched = [], engine.batched_forward
+
+    def interrupted(model, calls, *rest):
+        passes.append(len(calls))
+        if len(passes) == 3:
+            raise KeyboardInterrupt
+        return batched(model, calls, *rest)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "batched_forward", interrupted)
+        before = threading.active_count()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate_many(["a b c", "hello world", "the cat"], max_new_tokens=16)
+    for thread in threading.enumerate():
+        if thread.name == "minilade-request":
+            thread.join(10)
+    assert threading.active_count() <= before  # no request's worker is left waiting for a pass
+    assert [g.token_ids for g in llm.generate_many(["a b c"], max_new_tokens=8)] == \
+        [llm.generate("a b c", max_new_tokens=8).token_ids]

@@ -41,8 +41,9 @@ from ..drafts.sources import (
 from ..drafts.suffix import SuffixIndex
 from ..drafts.tree import Calibration, DraftPath, DraftTree, Key
 from ..masks import CandidateTree, StepShape
+from ..model import Transformer
 from ..verify import Verdict
-from .base import DecodeContext, Decoder, Step, StepKind, Strategy, option, whole_number
+from .base import Agree, DecodeContext, Decoder, Step, StepKind, Strategy, option, single_process, whole_number
 from .lookahead import JacobiWindow, WindowAndPool, packed_step, text_pool, window_fits
 from .step_costs import StepCosts, step_costs_for
 
@@ -130,6 +131,18 @@ class Auto(WindowAndPool, Strategy):
 
     def make_decoder(self, ctx: DecodeContext) -> Decoder:
         return AutoDecoder(ctx, self)
+
+    def cost_sizes(self) -> list[int]:
+        """The step sizes whose costs its plans weigh: COST_SIZES up to the budget, the budget, and the window's."""
+        sizes = {T for T in COST_SIZES if T <= self.budget} | {self.budget}
+        n_window = self.layout.n_window_rows
+        if n_window <= self.budget:
+            sizes |= {n_window, min(self.budget, n_window + self.layout.guesses)}
+        return sorted(sizes)
+
+    def step_costs(self, model: Transformer, agree: Agree = single_process) -> StepCosts:
+        """`costs` where given, else the model's step costs at cost_sizes() (measured once, kept in cost_file)."""
+        return self.costs or step_costs_for(model, self.cost_sizes(), self.cost_file, agree=agree)
 
     def __str__(self) -> str:
         history = f", history of {len(self.history)} tokens" if self.history is not None else ""
@@ -222,8 +235,7 @@ class AutoDecoder(Decoder):
         self.verify_shape = StepShape(layout, with_window=False, device=ctx.device)
         suffix = SuffixIndex()
         self.sources = draft_sources(settings, self.pool, suffix, ctx)
-        self.costs = settings.costs or step_costs_for(ctx.model, self.cost_sizes(), settings.cost_file,
-                                                      agree=ctx.agree)
+        self.costs = settings.step_costs(ctx.model, ctx.agree)
         self.calibration = Calibration(PRIORS)
         start = max(0, len(ctx.tokens) - PROMPT_REPLAY)
         suffix.update(ctx.tokens[:start])
@@ -233,13 +245,6 @@ class AutoDecoder(Decoder):
         # The window's worth: tokens accepted from candidates only the window made, per step that ran it.
         self.window_credit, self.window_steps = 0.5, 1.0  # a prior of half a token per window step
         self.since_verify = 0  # plain steps since the last drafted one
-
-    def cost_sizes(self) -> list[int]:
-        sizes = {T for T in COST_SIZES if T <= self.budget} | {self.budget}
-        n_window = self.layout.n_window_rows
-        if n_window <= self.budget:
-            sizes |= {n_window, min(self.budget, n_window + self.layout.guesses)}
-        return sorted(sizes)
 
     def step(self) -> Step:
         ctx = self.ctx

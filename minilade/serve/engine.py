@@ -9,6 +9,8 @@ each sees exactly the logits it would get alone, so each answer is the one it ge
 are native or compiled, its decoding calls go through native or compiled passes that give each call its own step's
 bits). A prompt's
 prefill starts from the rows kept for a prefix it shares with a finished request and runs in chunks (prefill.py).
+The server runs the engine's loop in a thread of its own (start); the library's LLM.generate_many in the caller's
+(drain).
 
 Every pass runs in the engine's thread, on torch's CPU threads, and a worker computes on its own thread alone
 (compute_alone): each thread that opens a parallel region gets an OpenMP pool of its own, and a
@@ -206,6 +208,7 @@ class Engine:
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Slot] = []
         self._stopping = False
+        self._draining = False  # the loop ends once every job submitted has ended (drain)
         self._thread = threading.Thread(target=self._loop, name="minilade-engine", daemon=True)
 
     def start(self) -> None:
@@ -218,6 +221,14 @@ class Engine:
         (prefill.PREFILL_ALONE)."""
         running = len(self._running)
         return max(self.prefill_chunk, PREFILL_PER_REQUEST * running) if running > 1 else PREFILL_ALONE
+
+    def drain(self) -> None:
+        """Run the engine's loop in this thread, instead of start()'s thread of its own, until every job submitted
+        has ended: the library's LLM.generate_many, whose passes then run in the caller's thread with its OpenMP
+        pool (module docstring)."""
+        with self._cond:
+            self._draining = True
+        self._loop()
 
     def submit(self, job: Job) -> None:
         """Queue a job; a 429 APIError when the queue is full, a 503 when the engine is stopping."""
@@ -317,7 +328,7 @@ class Engine:
         while True:
             with self._cond:
                 self._cond.wait_for(self._ready)
-                if self._stopping and not self._running:
+                if (self._stopping or self._draining) and not self._running and not self._waiting:
                     return
                 self._admit()
                 if not self._running or any(slot.call is None for slot in self._running):
@@ -333,6 +344,8 @@ class Engine:
         engine stops and nothing runs."""
         if self._stopping:
             return not self._running or all(slot.call is not None for slot in self._running)
+        if self._draining and not self._running and not self._waiting:
+            return True
         admissible = bool(self._waiting) and len(self._running) < self.max_concurrent
         blocked = bool(self._running) and all(slot.call is not None for slot in self._running)
         return admissible or blocked
@@ -346,14 +359,18 @@ class Engine:
 
     def _run_pass(self, slots: list[Slot], calls: list[PendingCall]) -> None:
         """The pass. Whatever escapes it reaches every call it leaves unanswered, so that no worker waits
-        forever."""
+        forever; an interrupt (in a loop drained in the caller's thread) cancels them and goes on to the caller."""
         try:
             self._step(slots, calls)
         except BaseException as error:  # noqa: BLE001
-            log.exception("a pass failed")
+            interrupt = not isinstance(error, Exception)
+            if not interrupt:
+                log.exception("a pass failed")
             for call in calls:
                 if not call.done.is_set():
-                    call.answer(error=error)
+                    call.answer(error=Cancelled() if interrupt else error)
+            if interrupt:
+                raise
 
     def _step(self, slots: list[Slot], calls: list[PendingCall]) -> None:
         """One shared forward pass over the calls of every running request; a call that cannot run (its request
