@@ -100,12 +100,15 @@ def plot(results: list[dict], path: Path) -> None:
     Figure = import_figure()
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
-    for result in results:
-        levels = list(result["tokens_per_s"])
-        ax.plot(levels, [result["tokens_per_s"][c] for c in levels], marker="o", label=result["dataset"])
+    levels: list[int] = []
+    for result in results:  # concurrency keys are ints, or strings as read back from batch.json
+        rates = {int(c): rate for c, rate in result["tokens_per_s"].items()}
+        levels = sorted(rates)
+        ax.plot(levels, [rates[c] for c in levels], marker="o", label=result["dataset"])
     ax.set_xlabel("generations at once (1: generate() one after another)")
     ax.set_ylabel("tokens/s, whole set")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
     ax.legend()
     ax.set_title("LLM.generate_many")
     write_png(path, fig)
