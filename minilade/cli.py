@@ -1,7 +1,9 @@
 """Command line: python -m minilade.generate [PROMPT] [options]
 
 Streams the generated text to stdout and a one-line statistics summary to stderr. The prompt comes from the
-argument or from stdin; --interactive starts a chat. Errors are one line on stderr and a non-zero exit.
+argument or from stdin; --interactive starts a chat; --prompts FILE generates for every prompt of a JSON Lines
+file, several at a time sharing each forward pass, one JSON object a line out. Errors are one line on stderr and
+a non-zero exit.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from typing import Sequence
 
 from .checkpoints import DEFAULT_CHECKPOINT
@@ -18,6 +21,7 @@ from .checkpoints.generation_config import check_sampling, merge_sampling
 from .checkpoints.resolve import COST_TABLE, kept_tables_dir
 from .checkpoints.support import describe_support
 from .decoding import STRATEGIES, GenerationSettings, make_strategy
+from .decoding.loop import check_prompt
 from .errors import CheckpointError, TokenizerError, UnsupportedModelError
 from .llm import LLM, Generation, TextStream
 from .parallel import end_run, launched_with_ranks, quiet_unless_leader, read_on_leader
@@ -40,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template to the prompt")
     p.add_argument("--system", help="system message for --chat and --interactive")
     p.add_argument("--interactive", "-i", action="store_true", help="chat turn by turn on the terminal")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="generate for every prompt of a JSON Lines file ('-': stdin), each line a string or an "
+                        "object with \"prompt\" (a string) or \"messages\" (chat messages); prints one JSON object "
+                        "a line, in the file's order, each the answer its prompt gets alone")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="with --prompts: generations at once, sharing each forward pass (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not included in the output")
     g = p.add_argument_group("sampling (default: the checkpoint's generation_config.json, else greedy without "
@@ -154,6 +164,66 @@ def run_once(llm: LLM, args: argparse.Namespace, settings: GenerationSettings) -
     print(summary_line(result) + f", finish: {result.finish_reason}; model {llm.setup}", file=sys.stderr)
 
 
+def read_prompts(path: str) -> list[tuple[int, str | list[dict]]]:
+    """(line number, prompt) for every non-empty line of a JSON Lines file ('-': stdin): a string, or an object with
+    a "prompt" string or a "messages" list of chat messages."""
+    text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    prompts: list[tuple[int, str | list[dict]]] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {n} is not JSON ({e.msg})") from None
+        if isinstance(item, dict) and isinstance(item.get("prompt"), str):
+            item = item["prompt"]
+        elif isinstance(item, dict) and isinstance(item.get("messages"), list) and item["messages"] and all(
+                isinstance(m, dict) for m in item["messages"]):
+            item = item["messages"]
+        elif not isinstance(item, str):
+            raise ValueError(f'{path} line {n}: expected a string, or an object with "prompt" (a string) or '
+                             f'"messages" (a list of chat messages)')
+        prompts.append((n, item))
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def many_prompts(args: argparse.Namespace) -> list[tuple[int, str | list[dict]]] | None:
+    """--prompts' prompts, read and checked with its options before any weights are loaded (None without it)."""
+    if args.prompts is None:
+        return None
+    if args.prompt is not None or args.interactive:
+        raise ValueError("--prompts takes the prompts from its file: give no prompt argument and no --interactive")
+    if args.concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    return read_prompts(args.prompts)
+
+
+def run_many(llm: LLM, args: argparse.Namespace, settings: GenerationSettings,
+             prompts: list[tuple[int, str | list[dict]]]) -> None:
+    """--prompts: every prompt encoded and checked first (a bad one is named by its line), then generate_many; one
+    JSON object a line on stdout, in the file's order, and a summary on stderr."""
+    ids = []
+    for n, prompt in prompts:
+        try:
+            ids.append((n, llm.encode(prompt, chat=args.chat and isinstance(prompt, str), system=args.system)))
+            check_prompt(ids[-1][1], llm.model)
+        except ValueError as e:
+            raise ValueError(f"{args.prompts} line {n}: {e}") from None
+    start = time.perf_counter()
+    results = llm.generate_many([p for _, p in ids], concurrency=args.concurrency, progress=True,
+                                strategy=settings.strategy, max_new_tokens=settings.max_new_tokens,
+                                stop=settings.stop, **sampling_options(args))
+    seconds = time.perf_counter() - start
+    for (n, _), result in zip(ids, results):
+        print(json.dumps({"line": n, **result.as_dict()}, ensure_ascii=False))
+    tokens = sum(len(r.token_ids) for r in results)
+    print(f"{len(results)} prompts, {tokens} new tokens in {seconds:.2f} s ({tokens / seconds:.1f} tokens/s), up to "
+          f"{args.concurrency} at once; model {llm.setup}", file=sys.stderr)
+
+
 def summary_line(result: Generation) -> str:
     """The statistics line: the generation's summary and the process's peak memory so far."""
     memory = "" if result.peak_memory is None else f", peak memory {result.peak_memory / 2**20:.0f} MiB"
@@ -202,6 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         settings = settings_from_args(args)
+        prompts = many_prompts(args)
         quantize = None if args.quantize == "none" else args.quantize
         if quantize not in (None, "auto"):
             check_options(quantize, args.group_size)
@@ -210,7 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        tensor_parallel=launched_with_ranks(os.environ))
         settings = with_checkpoint_defaults(llm, args, settings)
         with quiet_unless_leader(llm.model):  # under torchrun, only rank 0 writes
-            if args.interactive:
+            if prompts is not None:
+                run_many(llm, args, settings, prompts)
+            elif args.interactive:
                 run_interactive(llm, args, settings)
             else:
                 run_once(llm, args, settings)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import tempfile
 import threading
 import warnings
@@ -24,6 +25,7 @@ from typing import Any, Iterator, Sequence, Union
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from .checkpoints import DEFAULT_CHECKPOINT, Checkpoint, build_model, meta_model, open_checkpoint
 from .checkpoints.generation_config import defaults_from_hf, merge_sampling, read_generation_defaults
@@ -39,7 +41,7 @@ from .kv_cache import KVCache
 from .memory import collection_paused, peak_memory, returning_freed_memory
 from .model import Transformer
 from .native_steps import NativeSteps, take_over
-from .parallel import from_rank0, load_shard
+from .parallel import from_rank0, load_shard, process_group
 from .quant import check_options, linear_modules, map_rows, quantize_embedding, quantize_linears
 from .tokenizer import StreamDecoder, Tokenizer
 
@@ -252,16 +254,21 @@ class LLM:
         self.other_thread_warning()
         return TextStream(self, prompt_ids, settings)
 
-    def generate_many(self, prompts: Sequence[Prompt], *, concurrency: int = 8, **options: Any) -> list[Generation]:
+    def generate_many(self, prompts: Sequence[Prompt], *, concurrency: int = 8, progress: bool = False,
+                      **options: Any) -> list[Generation]:
         """generate() for every prompt, up to `concurrency` generations at a time sharing each forward pass (the
         server's engine, serve/engine.py, its passes run in this thread): one Generation per prompt, in order, each
         the one generate() gives that prompt alone (greedy, or sampled with a seed). Options as for prepare(), the
         same for every prompt; every prompt and option is checked before anything runs. A generation that fails
-        ends the others, and its error is raised."""
+        ends the others, and its error is raised. progress: a bar on stderr counting the finished generations.
+        One process's model only (not one split over ranks)."""
         from .serve.engine import Engine, Job  # the engine imports this module
 
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency must be a whole number >= 1, got {concurrency!r}")
+        if process_group(self.model) is not None:
+            raise ValueError("generate_many runs a model in one process, not one split over ranks; generate each "
+                             "prompt in turn")
         prepared = []
         for prompt in prompts:
             prompt_ids, settings = self.prepare(prompt, **options)
@@ -272,10 +279,13 @@ class LLM:
         ended: list[tuple[str, Any] | None] = [None] * len(prepared)
         jobs: list[Job] = []
 
+        bar = tqdm(total=len(prepared), desc="generations", unit="prompt", disable=not progress, file=sys.stderr)
+
         def deliver(i: int, kind: str, value: Any) -> None:  # from the job's worker thread
             if kind == "piece":
                 return
             ended[i] = (kind, value)
+            bar.update()
             if kind == "error":
                 for job in jobs:
                     engine.cancel(job)
@@ -289,6 +299,8 @@ class LLM:
             engine.stop()
             engine.drain()
             raise
+        finally:
+            bar.close()
         error = next((value for kind, value in filter(None, ended) if kind == "error"), None)
         if error is not None:
             raise error

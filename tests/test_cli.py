@@ -246,3 +246,45 @@ def test_auto_options_on_the_command_line_give_plain_decodings_tokens(tiny_check
     assert plain.returncode == 0 and fast.returncode == 0, plain.stderr + fast.stderr
     assert json.loads(fast.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
 
+
+
+def test_prompts_from_a_json_lines_file_print_one_object_a_line_in_order(tiny_checkpoint: Path, tmp_path: Path,
+                                                                          capsys) -> None:
+    lines = ['"a b c"', '{"prompt": "hello world"}', "", '{"prompt": "d d a", "id": 7}', '"b"']
+    (tmp_path / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    argv = ["--prompts", str(tmp_path / "prompts.jsonl"), "--ckpt", str(tiny_checkpoint), "--max-new-tokens", "6",
+            "--concurrency", "2", "--compile", "off"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    out = [json.loads(line) for line in captured.out.splitlines()]
+    llm = LLM.load(tiny_checkpoint, progress=False, compile=False)
+    assert [o["line"] for o in out] == [1, 2, 4, 5]
+    for o, prompt in zip(out, ["a b c", "hello world", "d d a", "b"]):
+        alone = llm.generate(prompt, max_new_tokens=6)
+        assert (o["token_ids"], o["text"]) == (alone.token_ids, alone.text)
+    assert "4 prompts, 24 new tokens in" in captured.err and "up to 2 at once" in captured.err
+
+
+@pytest.mark.parametrize("content,args,fact", [
+    ('"a b"\n{"prompt": \n', [], "line 2 is not JSON"),
+    ('"a b"\n[1, 2]\n', [], 'line 2: expected a string, or an object with "prompt"'),
+    ('{"messages": []}\n', [], "line 1: expected a string"),
+    ("\n\n", [], "holds no prompts"),
+    ('"a b"\n"' + "a " * 80 + '"\n', [], "line 2: the prompt has"),
+    ('"a b"\n', ["--concurrency", "0"], "--concurrency must be >= 1"),
+    ('"a b"\n', ["a b"], "give no prompt argument"),
+    ('"a b"\n', ["--chat", "--system", "x"], "line 1: this checkpoint has no chat template"),
+])
+def test_bad_prompt_files_fail_in_one_line(tiny_checkpoint: Path, tmp_path: Path, content: str, args: list[str],
+                                           fact: str, capsys) -> None:
+    (tmp_path / "prompts.jsonl").write_text(content)
+    assert main(["--prompts", str(tmp_path / "prompts.jsonl"), "--ckpt", str(tiny_checkpoint), "--compile", "off",
+                 *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and fact in err[0], err
+
+
+def test_a_missing_prompt_file_is_one_line(tiny_checkpoint: Path, tmp_path: Path, capsys) -> None:
+    assert main(["--prompts", str(tmp_path / "none.jsonl"), "--ckpt", str(tiny_checkpoint)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No such file" in err[0], err
