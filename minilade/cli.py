@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 from .checkpoints import DEFAULT_CHECKPOINT
@@ -167,7 +168,7 @@ def run_once(llm: LLM, args: argparse.Namespace, settings: GenerationSettings) -
 def read_prompts(path: str) -> list[tuple[int, str | list[dict]]]:
     """(line number, prompt) for every non-empty line of a JSON Lines file ('-': stdin): a string, or an object with
     a "prompt" string or a "messages" list of chat messages."""
-    text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     prompts: list[tuple[int, str | list[dict]]] = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():

@@ -289,3 +289,11 @@ def test_generate_many_raises_a_failed_generations_error_and_an_interrupt_winds_
     assert threading.active_count() <= before  # no request's worker is left waiting for a pass
     assert [g.token_ids for g in llm.generate_many(["a b c"], max_new_tokens=8)] == \
         [llm.generate("a b c", max_new_tokens=8).token_ids]
+
+
+def test_generate_many_refuses_a_model_split_over_ranks(llm: LLM, monkeypatch) -> None:
+    import minilade.llm
+
+    monkeypatch.setattr(minilade.llm, "process_group", lambda model: object())  # as a sharded model's head says
+    with pytest.raises(ValueError, match="not one split over ranks"):
+        llm.generate_many(["a b"])
