@@ -15,6 +15,7 @@ widths against each call alone, bit for bit, before the engine uses it.
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 
@@ -26,6 +27,8 @@ from .batched import ForwardCall
 from .compiled_pass import PROBE_ROOM, calls_over, same_as_alone
 from .planner import rows_together
 
+_VERDICTS: weakref.WeakKeyDictionary[Transformer, bool] = weakref.WeakKeyDictionary()  # NativePasses.checked's
+
 
 class NativePasses:
     """Runs the calls of a pass as one native pass (module docstring), for a model whose steps are native.
@@ -36,22 +39,29 @@ class NativePasses:
     @classmethod
     def checked(cls, model: Transformer) -> NativePasses | None:
         """NativePasses where a pass of probe calls of 1, 3 and 2 rows gives each call its own step's logits and cache
-        rows bit for bit, else None (with a line saying so); None at once where the model's steps are not native."""
+        rows bit for bit, else None (with a line saying so); None at once where the model's steps are not native.
+        The verdict is kept for the model's life: every engine made for it (each LLM.generate_many) asks again, and
+        the check costs a few hundred milliseconds."""
         if not isinstance(model.step_runner, NativeSteps):
             return None
+        if model not in _VERDICTS:
+            _VERDICTS[model] = cls._check(model)
+        return cls() if _VERDICTS[model] else None
+
+    @classmethod
+    def _check(cls, model: Transformer) -> bool:
         sizes = [(9, 1), (40, 3), (17, 2)]
         if max(past + T for past, T in sizes) + PROBE_ROOM > model.config.max_seq_len:
-            return cls()  # no room for the probes in so short a context; the operator's design is the guarantee
-        passes = cls()
+            return True  # no room for the probes in so short a context; the operator's design is the guarantee
         together, alone = calls_over(model, sizes), calls_over(model, sizes)
         with torch.inference_mode():
-            got = passes(model, together)
+            got = cls()(model, together)
             want = [model(c.tokens, c.input_pos, c.cache, c.mask) for c in alone]
         if not same_as_alone(together, got, alone, want):
             print("minilade: served requests' native steps run one after another (a shared pass did not give each "
                   "call its own step's logits)", file=sys.stderr)
-            return None
-        return passes
+            return False
+        return True
 
     def __call__(self, model: Transformer, calls: list[ForwardCall]) -> list[torch.Tensor]:
         """Logits of each call, (1, R_i, V), from one native pass over all their rows, each carrying its rows' greedy

@@ -66,3 +66,11 @@ def test_a_load_that_keeps_native_steps_never_packs_codes_for_fbgemm(llm, tiny_c
     assert isinstance(again.model.step_runner, NativeSteps) and not packs, again.setup
     prompt = "the cat sat on the"
     assert again.generate(prompt, max_new_tokens=12).token_ids == llm.generate(prompt, max_new_tokens=12).token_ids
+
+
+def test_a_models_check_runs_once_and_every_engine_after_it_reuses_the_verdict(llm, monkeypatch):
+    import minilade.serve.native_pass as native_pass
+
+    assert NativePasses.checked(llm.model) is not None
+    monkeypatch.setattr(native_pass, "calls_over", lambda *args: pytest.fail("the model was probed again"))
+    assert NativePasses.checked(llm.model) is not None
