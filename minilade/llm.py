@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import tempfile
 import threading
 import warnings
@@ -24,25 +23,23 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence, Union
 
 import torch
-from torch import nn
-from tqdm import tqdm
 
-from .checkpoints import DEFAULT_CHECKPOINT, Checkpoint, build_model, meta_model, open_checkpoint
+from .checkpoints import DEFAULT_CHECKPOINT, build_model, meta_model, open_checkpoint
 from .checkpoints.generation_config import defaults_from_hf, merge_sampling, read_generation_defaults
-from .checkpoints.gguf_quant import INT4_TYPES, gguf_embedding, gguf_int4_weights
 from .checkpoints.hf import config_from_hf
-from .checkpoints.resolve import CHECK_TABLE, COST_TABLE, kept_tables_dir
+from .checkpoints.resolve import CHECK_TABLE, COST_TABLE
 from .decoding import Auto, GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens, make_strategy
 from .decoding.loop import cache_for, check_prompt, fitted_strategy
 from .decoding.step_costs import quantized_layers
-from .device import choose_dtype, choose_quantization, default_device, make_exact, resolve_dtype
+from .device import choose_dtype, choose_quantization, make_exact
 from .integer_linear import pack_layers, w7a8_missing
 from .kv_cache import KVCache
+from .loading import device_and_dtype, drop_padded_logits, gguf_codes, has_int4_codes, tables_dir
 from .memory import collection_paused, peak_memory, returning_freed_memory
 from .model import Transformer
 from .native_steps import NativeSteps, take_over
 from .parallel import from_rank0, load_shard, process_group
-from .quant import check_options, linear_modules, map_rows, quantize_embedding, quantize_linears
+from .quant import check_options, quantize_embedding, quantize_linears
 from .tokenizer import StreamDecoder, Tokenizer
 
 Messages = list[dict[str, str]]
@@ -262,7 +259,7 @@ class LLM:
         same for every prompt; every prompt and option is checked before anything runs. A generation that fails
         ends the others, and its error is raised. progress: a bar on stderr counting the finished generations.
         One process's model only (not one split over ranks)."""
-        from .serve.engine import Engine, Job  # the engine imports this module
+        from .many import answer_all  # it imports this module
 
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError(f"concurrency must be a whole number >= 1, got {concurrency!r}")
@@ -275,36 +272,7 @@ class LLM:
             check_prompt(prompt_ids, self.model)
             prepared.append((prompt_ids, self.with_step_costs(prompt_ids, settings)))
         self.other_thread_warning()
-        engine = Engine(self, max_concurrent=concurrency, queue_size=len(prepared))
-        ended: list[tuple[str, Any] | None] = [None] * len(prepared)
-        jobs: list[Job] = []
-
-        bar = tqdm(total=len(prepared), desc="generations", unit="prompt", disable=not progress, file=sys.stderr)
-
-        def deliver(i: int, kind: str, value: Any) -> None:  # from the job's worker thread
-            if kind == "piece":
-                return
-            ended[i] = (kind, value)
-            bar.update()
-            if kind == "error":
-                for job in jobs:
-                    engine.cancel(job)
-
-        for i, (prompt_ids, settings) in enumerate(prepared):
-            jobs.append(Job(prompt_ids, settings, functools.partial(deliver, i)))
-            engine.submit(jobs[-1])
-        try:
-            engine.drain()
-        except BaseException:  # an interrupt in this thread: the workers are cancelled and wound down
-            engine.stop()
-            engine.drain()
-            raise
-        finally:
-            bar.close()
-        error = next((value for kind, value in filter(None, ended) if kind == "error"), None)
-        if error is not None:
-            raise error
-        return [value for _, value in ended]
+        return answer_all(self, prepared, concurrency, progress)
 
     def with_step_costs(self, prompt_ids: list[int], settings: GenerationSettings) -> GenerationSettings:
         """settings whose auto strategy carries the step costs its decoder would measure on this model alone, for
@@ -403,71 +371,6 @@ class TextStream:
             yield text[shown:]
         self.result = Generation(text, ids, self.prompt_ids, self._run.finish_reason, self._run.stats,
                                  peak_memory())
-
-
-def gguf_codes(checkpoint: Checkpoint, model: Transformer, n_tokens: int, quantize: str, group_size: int) -> dict:
-    """A GGUF file's own codes, by module name, where they map exactly onto the quantized layers asked for: the
-    token embedding's Q8_0 rows (any quantize), and for int4 in groups of 32 (and w7a8, which rounds their values
-    to its own codes) the linear layers' Q4_0/Q4_1 tensors, the output head's cut to the tokenizer's vocabulary
-    as drop_padded_logits cuts the float head. Empty for other formats."""
-    if checkpoint.format != "gguf":
-        return {}
-    blocks: dict = {}
-    if quantize in ("int4", "w7a8") and group_size == 32:  # w7a8 rounds the codes' values to its own
-        blocks = gguf_int4_weights(checkpoint.source, [name for name, *_ in linear_modules(model)])
-        if "output" in blocks:
-            blocks["output"] = map_rows(blocks["output"], lambda rows: rows[:n_tokens])
-    embedding = gguf_embedding(checkpoint.source)
-    if embedding is not None:
-        blocks["tok_embeddings"] = embedding
-    return blocks
-
-
-def has_int4_codes(checkpoint: Checkpoint) -> bool:
-    """Whether a GGUF file keeps tensors in Q4_0/Q4_1 codes, which int4 layers in groups of 32 take as they are."""
-    return checkpoint.format == "gguf" and any(t.tensor_type in INT4_TYPES
-                                               for t in checkpoint.source.by_name.values())
-
-
-def tables_dir(tables: str | Path | bool | None) -> Path | None:
-    """The folder `tables` names: True, the command line's (kept_tables_dir); False or None, none."""
-    if tables is True:
-        return kept_tables_dir()
-    return None if tables is False or tables is None else Path(tables).expanduser()
-
-
-def device_and_dtype(device: str | torch.device | None, dtype: str | torch.dtype | None
-                     ) -> tuple[torch.device, torch.dtype]:
-    """The device and dtype a model is loaded in: checked, defaults chosen for the device."""
-    device = parse_device(device) if device is not None else default_device()
-    dtype = resolve_dtype(dtype, device)
-    if dtype == torch.float16 and device.type == "cpu":
-        raise ValueError("float16 is supported on CUDA only; use float32 or bfloat16 on the CPU")
-    return device, dtype
-
-
-def parse_device(device: str | torch.device) -> torch.device:
-    """A device minilade can run on (cpu, cuda, cuda:N), or a one-line ValueError."""
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
-    if parsed.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for, but no CUDA device is available")
-    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s) here")
-    return parsed
-
-
-def drop_padded_logits(model: Transformer, n_tokens: int) -> None:
-    """Many checkpoints pad the embedding to a round number of rows past the tokenizer's last token. Those rows
-    are no tokens at all, so the output head keeps only the first n_tokens rows (a view, no copy): no strategy
-    can then choose an id the tokenizer cannot decode, and greedy and sampled outputs stay what they would be
-    over the real vocabulary."""
-    if n_tokens < model.output.weight.shape[0]:
-        model.output.weight = nn.Parameter(model.output.weight[:n_tokens], requires_grad=False)
 
 
 def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:

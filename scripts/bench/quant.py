@@ -46,7 +46,7 @@ from minilade.config import ModelConfig
 from minilade.decoding import Autoregressive, GenerationSettings, GenerationStats, Lookahead, TokenRun, decode_tokens
 from minilade.decoding.step_costs import measure_step_costs
 from minilade.device import make_exact
-from minilade.llm import gguf_codes
+from minilade.loading import gguf_codes
 from minilade.model import Transformer
 from minilade.quant import (
     GROUP_SIZES,

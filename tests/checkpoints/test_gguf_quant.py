@@ -23,7 +23,7 @@ from minilade.checkpoints.gguf_quant import (
     int4_from_blocks,
     int8_from_q8_0,
 )
-from minilade.llm import gguf_codes
+from minilade.loading import gguf_codes
 from minilade.quant import QuantizedLinear, linear_modules, quantize_linears
 
 INT4 = sorted(INT4_TYPES, key=lambda q: q.name)
