@@ -205,7 +205,8 @@ def many_prompts(args: argparse.Namespace) -> list[tuple[int, str | list[dict]]]
 def run_many(llm: LLM, args: argparse.Namespace, settings: GenerationSettings,
              prompts: list[tuple[int, str | list[dict]]]) -> None:
     """--prompts: every prompt encoded and checked first (a bad one is named by its line), then generate_many; one
-    JSON object a line on stdout, in the file's order, and a summary on stderr."""
+    JSON object a line on stdout, in the file's order, each printed once it and those before it have finished, and a
+    summary on stderr."""
     ids = []
     for n, prompt in prompts:
         try:
@@ -213,13 +214,22 @@ def run_many(llm: LLM, args: argparse.Namespace, settings: GenerationSettings,
             check_prompt(ids[-1][1], llm.model)
         except ValueError as e:
             raise ValueError(f"{args.prompts} line {n}: {e}") from None
+    waiting: dict[int, Generation] = {}  # finished out of order, until those before them finish
+    printed = 0
+
+    def print_in_order(i: int, result: Generation) -> None:  # one call at a time (generate_many's on_done)
+        nonlocal printed
+        waiting[i] = result
+        while printed in waiting:
+            print(json.dumps({"line": ids[printed][0], **waiting.pop(printed).as_dict()}, ensure_ascii=False),
+                  flush=True)
+            printed += 1
+
     start = time.perf_counter()
     results = llm.generate_many([p for _, p in ids], concurrency=args.concurrency, progress=True,
-                                strategy=settings.strategy, max_new_tokens=settings.max_new_tokens,
-                                stop=settings.stop, **sampling_options(args))
+                                on_done=print_in_order, strategy=settings.strategy,
+                                max_new_tokens=settings.max_new_tokens, stop=settings.stop, **sampling_options(args))
     seconds = time.perf_counter() - start
-    for (n, _), result in zip(ids, results):
-        print(json.dumps({"line": n, **result.as_dict()}, ensure_ascii=False))
     tokens = sum(len(r.token_ids) for r in results)
     print(f"{len(results)} prompts, {tokens} new tokens in {seconds:.2f} s ({tokens / seconds:.1f} tokens/s), up to "
           f"{args.concurrency} at once; model {llm.setup}", file=sys.stderr)

@@ -20,7 +20,7 @@ import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
 
@@ -252,12 +252,15 @@ class LLM:
         return TextStream(self, prompt_ids, settings)
 
     def generate_many(self, prompts: Sequence[Prompt], *, concurrency: int = 8, progress: bool = False,
-                      **options: Any) -> list[Generation]:
+                      on_done: Callable[[int, Generation], None] | None = None, **options: Any) -> list[Generation]:
         """generate() for every prompt, up to `concurrency` generations at a time sharing each forward pass (the
         server's engine, serve/engine.py, its passes run in this thread): one Generation per prompt, in order, each
         the one generate() gives that prompt alone (greedy, or sampled with a seed). Options as for prepare(), the
         same for every prompt; every prompt and option is checked before anything runs. A generation that fails
         ends the others, and its error is raised. progress: a bar on stderr counting the finished generations.
+        on_done(index, generation): called as each generation finishes (from a worker thread, one call at a time),
+        for a caller that hands results on before the last one ends. Where the model's steps are compiled graphs,
+        the first call compiles the graphs of the passes the generations share (kept, as the server keeps them).
         One process's model only (not one split over ranks)."""
         from .many import answer_all  # it imports this module
 
@@ -272,7 +275,7 @@ class LLM:
             check_prompt(prompt_ids, self.model)
             prepared.append((prompt_ids, self.with_step_costs(prompt_ids, settings)))
         self.other_thread_warning()
-        return answer_all(self, prepared, concurrency, progress)
+        return answer_all(self, prepared, concurrency, progress, on_done)
 
     def with_step_costs(self, prompt_ids: list[int], settings: GenerationSettings) -> GenerationSettings:
         """settings whose auto strategy carries the step costs its decoder would measure on this model alone, for

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
+from typing import Callable
 
 from tqdm import tqdm
 
@@ -16,11 +18,13 @@ from .serve.engine import Engine, Job
 
 
 def answer_all(llm: LLM, requests: list[tuple[list[int], GenerationSettings]], concurrency: int,
-               progress: bool = False) -> list[Generation]:
+               progress: bool = False, on_done: Callable[[int, Generation], None] | None = None) -> list[Generation]:
     """Every request, (prompt ids, settings), answered on an engine whose loop runs in this thread (Engine.drain), up
     to `concurrency` at a time: their Generations in order (LLM.generate_many). A generation that fails ends the
     others and its error is raised; an interrupt cancels the running ones, winds their workers down and reaches the
-    caller. progress: a bar on stderr counting the finished generations."""
+    caller. progress: a bar on stderr counting the finished generations. on_done(index, generation): called as each
+    finishes, from its worker thread, one call at a time."""
+    finished = threading.Lock()
     engine = Engine(llm, max_concurrent=concurrency, queue_size=len(requests))
     ended: list[tuple[str, object] | None] = [None] * len(requests)
     jobs: list[Job] = []
@@ -31,6 +35,9 @@ def answer_all(llm: LLM, requests: list[tuple[list[int], GenerationSettings]], c
             return
         ended[i] = (kind, value)
         bar.update()
+        if kind == "done" and on_done is not None:
+            with finished:
+                on_done(i, value)
         if kind == "error":
             for job in jobs:
                 engine.cancel(job)

@@ -233,7 +233,9 @@ def test_generate_many_gives_each_prompt_what_it_gets_alone_in_shared_passes(llm
     prompts = ["a b c", "the cat sat on the mat the cat", [3, 4, 5, 6], "hello world", "mat sat"]
     for options in (dict(), dict(strategy=Lookahead(3, 3, 3)), dict(strategy="autoregressive", stop="t"),
                     dict(temperature=0.9, top_p=0.9, seed=7)):
-        many = llm.generate_many(prompts, concurrency=3, max_new_tokens=24, **options)
+        handed: dict = {}
+        many = llm.generate_many(prompts, concurrency=3, max_new_tokens=24, on_done=handed.__setitem__, **options)
+        assert sorted(handed) == list(range(len(prompts))) and all(handed[i] is g for i, g in enumerate(many))
         alone = [llm.generate(prompt, max_new_tokens=24, **options) for prompt in prompts]
         assert [(g.token_ids, g.text, g.finish_reason) for g in many] == \
             [(g.token_ids, g.text, g.finish_reason) for g in alone], options
