@@ -31,13 +31,14 @@ from .batched import ForwardCall
 class CachePool:
     """Slots of one buffer holding the caches of generations (module docstring)."""
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, graphs: SavedGraphs | None = None) -> None:
+        """graphs: the pool passes' graphs of another pool of this model, to share rather than load again."""
         runner = model.step_runner
         if not isinstance(runner, CompiledSteps) or runner.graphs is None:
             raise ValueError("a cache pool's passes need the model's steps compiled and kept in a folder")
         self.model, self.runner = model, runner
-        self.graphs = SavedGraphs(runner.graphs, f"{cost_key(model)}|pool", traced=pool_layers_step,
-                                  mark=mark_pool_sizes)
+        self.graphs = graphs or SavedGraphs(runner.graphs, f"{cost_key(model)}|pool", traced=pool_layers_step,
+                                            mark=mark_pool_sizes)
         self.buffer: PaddedKVCache | None = None
         self.layer_keys: list[torch.Tensor] = []  # per layer, (slots, Hkv, S, D): views of the buffer (layer_views)
         self.layer_values: list[torch.Tensor] = []

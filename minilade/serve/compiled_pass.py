@@ -21,13 +21,17 @@ equal ever after.
 Each call's rows get what its step alone gives them: the same operations row by row, the same weight matmuls
 (row-count invariant: the load-time check) and the same sums in its attention. That is a claim about the compiler's
 code, so `SharedPasses.checked` runs a pool pass of three one-row probe calls and a group of two wider ones against
-each call alone, bit for bit, and the engine shares compiled passes only where they hold.
+each call alone, bit for bit, and the engine shares compiled passes only where they hold. The check, the graphs it
+loads and the costs it measures (some 20 s for the demo model on 2 cores) are kept for the model's life: every
+engine made for it (each LLM.generate_many) gets passes of its own, with a cache pool of its own, from them.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+import weakref
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -43,6 +47,20 @@ from .batched import ForwardCall, one_after_another
 from .cache_pool import CachePool
 
 GROUP = 4  # wider calls in a group at most: more a group, more kinds of graph to compile (module docstring)
+# SharedPasses.checked's verdicts: per model, per largest group, what the check loaded and measured (Checked), or
+# None where it failed. Nothing in a verdict refers to the model, which would keep it alive.
+_CHECKED: weakref.WeakKeyDictionary[Transformer, dict[int, Checked | None]] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What SharedPasses.checked found for a model: the groups' and the pool's graphs it loaded, and the passes'
+    costs it measured (SharedPasses.pool_costs, group_share)."""
+
+    graphs: SavedGraphs
+    pool_graphs: SavedGraphs
+    pool_costs: tuple[float, float]
+    group_share: float
 
 
 class SharedPasses:
@@ -51,27 +69,29 @@ class SharedPasses:
 
     what = "compiled passes"  # for the user
 
-    def __init__(self, model: Transformer, largest_group: int = GROUP) -> None:
-        """largest_group: wider calls in a group at most (2 to GROUP), the kinds of group graph compiled."""
+    def __init__(self, model: Transformer, largest_group: int = GROUP, checked: Checked | None = None) -> None:
+        """largest_group: wider calls in a group at most (2 to GROUP), the kinds of group graph compiled.
+        checked: what an earlier check of the model loaded and measured, to share (a cache pool of its own)."""
         runner = model.step_runner
         if not isinstance(runner, CompiledSteps) or runner.graphs is None:
             raise ValueError("shared compiled passes need the model's steps compiled and kept in a folder")
         self.runner = runner
-        self.graphs = SavedGraphs(runner.graphs, f"{cost_key(model)}|pass", traced=pass_layer_step,
-                                  mark=mark_pass_sizes)
-        self.pool = CachePool(model)
+        self.graphs = checked.graphs if checked else SavedGraphs(
+            runner.graphs, f"{cost_key(model)}|pass", traced=pass_layer_step, mark=mark_pass_sizes)
+        self.pool = CachePool(model, checked.pool_graphs if checked else None)
         self.largest_group = largest_group
         self.refused: set[str] = set()  # kinds whose graph refused a pass (unless_refused)
         # A pool pass of k >= 2 one-row calls costs (base + per_call * k) one-row steps; each wider call of a group
         # but the dearest, group_share of its step alone (measure_passes, in checked).
-        self.pool_costs, self.group_share = (1.0, 0.5), 1.0
+        self.pool_costs, self.group_share = (checked.pool_costs, checked.group_share) if checked else ((1.0, 0.5), 1.0)
 
     @classmethod
     def checked(cls, model: Transformer, max_calls: int = GROUP) -> SharedPasses | None:
         """SharedPasses for the model, for passes of at most max_calls calls (the generations that run at once),
         where a pool pass of three one-row probe calls and a group of two wider ones give each call its own step's
         logits and cache rows bit for bit, else None (with a line saying so); None at once where the model's steps
-        are not compiled graphs kept in a folder, or where max_calls < 2 (no pass is shared)."""
+        are not compiled graphs kept in a folder, or where max_calls < 2 (no pass is shared). The check runs once
+        for a model and largest group (Checked); each call gets passes of its own, a cache pool included."""
         runner = model.step_runner
         if not isinstance(runner, CompiledSteps) or runner.graphs is None or max_calls < 2:
             return None
@@ -81,6 +101,15 @@ class SharedPasses:
                   f"{model.config.max_seq_len} positions cannot hold the probe calls that compiled passes are traced "
                   f"from)", file=sys.stderr)
             return None
+        verdicts = _CHECKED.setdefault(model, {})
+        if largest_group not in verdicts:
+            verdicts[largest_group] = cls._check(model, largest_group)
+        found = verdicts[largest_group]
+        return cls(model, largest_group, found) if found is not None else None
+
+    @classmethod
+    def _check(cls, model: Transformer, largest_group: int) -> Checked | None:
+        """checked()'s probes and measurements, for groups of at most largest_group wider calls."""
         passes = cls(model, largest_group)
         pool_calls, hole = probe_calls(model, 3, 1), probe_calls(model, 1, 1)[0].cache
         with torch.inference_mode():  # the mode of the engine's passes, in which the graphs are kept
@@ -106,8 +135,8 @@ class SharedPasses:
                       f"{'one-row' if rows == 1 else 'wider'} calls did not give each its own step's logits)",
                       file=sys.stderr)
                 return None
-        passes.pool_costs, passes.group_share = measure_passes(model, passes)
-        return passes
+        pool_costs, group_share = measure_passes(model, passes)
+        return Checked(passes.graphs, passes.pool.graphs, pool_costs, group_share)
 
     def pass_cost(self, other_rows: list[int], eager_rows: list[int], costs: Callable[[int], float]
                   ) -> Callable[[int], float]:

@@ -175,6 +175,19 @@ def test_pooled_generations_decode_as_alone_while_the_pool_grows_and_slots_chang
         assert pool.buffer is None  # its memory freed once no slot is held
 
 
+def test_a_models_check_runs_once_and_each_engine_gets_passes_of_its_own(llm, monkeypatch):
+    """Every engine asks for shared passes (each LLM.generate_many makes one), and the check's probes, graph loads and
+    measurements cost some 20 s for the demo model: after the first, the model is not probed again, and each caller
+    gets passes with the checked graphs and measured costs and a cache pool of its own."""
+    first = SharedPasses.checked(llm.model)
+    monkeypatch.setattr(compiled_pass, "probe_calls", lambda *args: pytest.fail("the model was probed again"))
+    monkeypatch.setattr(compiled_pass, "measure_passes", lambda *args: pytest.fail("the passes were measured again"))
+    second = SharedPasses.checked(llm.model)
+    assert second is not first and second.pool is not first.pool
+    assert second.graphs is first.graphs and second.pool.graphs is first.pool.graphs
+    assert (second.pool_costs, second.group_share) == (first.pool_costs, first.group_share)
+
+
 def test_a_context_too_short_for_the_probes_leaves_compiled_calls_one_after_another(llm, monkeypatch, capsys):
     """Graphs of groups of GROUP calls are traced from probe calls over prompts of unequal lengths; a model whose
     context cannot hold them gets no shared compiled passes, with a line saying why (here: groups of 8 calls against
