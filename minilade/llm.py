@@ -260,7 +260,8 @@ class LLM:
         ends the others, and its error is raised. progress: a bar on stderr counting the finished generations.
         on_done(index, generation): called as each generation finishes (from a worker thread, one call at a time),
         for a caller that hands results on before the last one ends. Where the model's steps are compiled graphs,
-        the first call compiles the graphs of the passes the generations share (kept, as the server keeps them).
+        the first call compiles the graphs of the passes the generations share (kept, as the server keeps them)
+        and checks them; later calls reuse the check.
         One process's model only (not one split over ranks)."""
         from .many import answer_all  # it imports this module
 
