@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minilade import device, integer_linear, quant
+from minilade import device, integer_linear, native, quant
 from minilade.decoding import Autoregressive, Lookahead
 from minilade.device import Invariance
 from minilade.integer_linear import (
@@ -264,6 +265,23 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_not_waited_for(tmp_path)
                           env=dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path)))
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == ["None", "False"]
+    assert re.search(r"minilade: building the C\+\+ w7a8 operator for this machine \(once\)\.\.\. \d+ s\n",
+                     done.stderr), done.stderr[-2000:]
+
+
+def test_an_operator_is_built_where_its_build_is_missing_or_older_than_its_source(tmp_path) -> None:
+    """native.built: what decides the line that announces a build (the C++ compiler runs for seconds)."""
+    source, header, folder = tmp_path / "op.cpp", tmp_path / "op.h", tmp_path / "build" / "minilade_op"
+    source.write_text("")
+    header.write_text("")
+    folder.mkdir(parents=True)
+    assert not native.built(folder, source)
+    library = folder / "minilade_op.so"
+    library.write_text("")
+    assert native.built(folder, source)
+    later = library.stat().st_mtime + 10
+    os.utime(header, (later, later))
+    assert not native.built(folder, source)
 
 
 def test_missing_kernel_is_a_one_line_value_error(monkeypatch: pytest.MonkeyPatch) -> None:
