@@ -22,7 +22,7 @@ from .decoding.step_costs import cost_key, measure_step_costs
 from .device import check_invariance
 from .invariance import RowTiledLinear
 from .masks import interleaved_step
-from .memo import read_table, write_entry
+from .memo import measuring, read_table, write_entry
 from .model import Transformer
 from .native_steps import NativeSteps, has_matrix_tiles, unserved, use_matrix_tiles
 from .native_steps import load as load_native
@@ -99,15 +99,16 @@ def verdict(model: Transformer, check_file: str | Path | None, name: str) -> dic
     check_file (kept_verdict) or measured now and kept there. Leaves the runner installed."""
     known = kept_verdict(model, check_file)
     if known is None:
-        runner, exact = model.step_runner, check_invariance(model)
-        seconds = {}
-        for label, step_runner in (("eager", None), (name, runner)):
-            model.step_runner = step_runner
-            seconds[label] = sum(measure_step_costs(model, (1, 8), context=128, repeats=2).values())
-        model.step_runner = runner
-        known = {"exact": exact, "eager_s": seconds["eager"], f"{name}_s": seconds[name]}
-        if name == "native" and has_matrix_tiles():
-            known.update(matrix_tiles_verdict(model))
+        with measuring(f"{name} steps against eager ones", check_file):
+            runner, exact = model.step_runner, check_invariance(model)
+            seconds = {}
+            for label, step_runner in (("eager", None), (name, runner)):
+                model.step_runner = step_runner
+                seconds[label] = sum(measure_step_costs(model, (1, 8), context=128, repeats=2).values())
+            model.step_runner = runner
+            known = {"exact": exact, "eager_s": seconds["eager"], f"{name}_s": seconds[name]}
+            if name == "native" and has_matrix_tiles():
+                known.update(matrix_tiles_verdict(model))
         if check_file is not None:
             write_entry(check_file, cost_key(model), known)
     return known

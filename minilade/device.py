@@ -33,7 +33,7 @@ from .invariance import (
     tiled_matmul,
 )
 from .masks import interleaved_step
-from .memo import read_table, write_entry
+from .memo import measuring, read_table, write_entry
 from .model import Transformer
 from .native_steps import NativeSteps, native_missing
 from .quant import quantize_embedding, quantize_linears
@@ -229,11 +229,12 @@ def make_exact(model: Transformer, check_file: str | Path | None = None, *, warn
         apply_tilings(model, found.tilings)
     else:
         found = None
-        for tilings in choose_tilings(model):
-            apply_tilings(model, tilings)
-            found = Invariance(check_invariance(model), tilings)
-            if found.exact:
-                break
+        with measuring(f"whether {str(model.dtype).removeprefix('torch.')} steps are batch-invariant", check_file):
+            for tilings in choose_tilings(model):
+                apply_tilings(model, tilings)
+                found = Invariance(check_invariance(model), tilings)
+                if found.exact:
+                    break
         found = found or Invariance(False, {})
         if check_file is not None:
             write_entry(check_file, key, found.as_json())
@@ -256,7 +257,9 @@ def choose_dtype(model: Transformer, check_file: str | Path | None = None,
         candidate = model if kept[0] == model.dtype else _converted(model, kept[0])
         if make_exact(candidate, check_file, warn=False).exact:
             return candidate
-    best = _fastest_exact(model, check_file, candidates)
+    with measuring(f"the fastest exact dtype of {', '.join(str(d).removeprefix('torch.') for d in candidates)}",
+                   check_file):
+        best = _fastest_exact(model, check_file, candidates)
     if best is None:
         make_exact(model, check_file)  # says once that it is not exact
         return model
@@ -286,14 +289,15 @@ def choose_quantization(model: Transformer, blocks: dict, modes: tuple[str, ...]
         make_exact(candidate, check_file)
         return candidate, f"{chosen} measured fastest of {'/'.join(modes)} here"
     candidates, exact = {}, {}
-    for i, mode in enumerate(modes):
-        candidates[mode] = candidate = quantized(mode, model if i == len(modes) - 1 else copy.deepcopy(model))
-        if make_exact(candidate, check_file, warn=False).exact:
-            exact[mode] = candidate
-            if native and native_missing(candidate) is None:
-                candidate.step_runner = NativeSteps()
-                candidate.step_runner = candidate.step_runner if check_invariance(candidate) else None
-    timed = compare_step_costs(exact, (1, 8), context=128, repeats=5)  # interleaved: one spell, all modes
+    with measuring(f"the fastest exact quantization of {'/'.join(modes)}", check_file):
+        for i, mode in enumerate(modes):
+            candidates[mode] = candidate = quantized(mode, model if i == len(modes) - 1 else copy.deepcopy(model))
+            if make_exact(candidate, check_file, warn=False).exact:
+                exact[mode] = candidate
+                if native and native_missing(candidate) is None:
+                    candidate.step_runner = NativeSteps()
+                    candidate.step_runner = candidate.step_runner if check_invariance(candidate) else None
+        timed = compare_step_costs(exact, (1, 8), context=128, repeats=5)  # interleaved: one spell, all modes
     seconds = {mode: sum(by_size.values()) for mode, by_size in timed.items()}
     how = {mode: " (native steps)" if candidate.step_runner is not None else "" for mode, candidate in exact.items()}
     for candidate in exact.values():

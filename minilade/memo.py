@@ -7,12 +7,15 @@ Where the files are is the caller's choice (the CLI's: checkpoints.resolve.kept_
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
 import platform
+import sys
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 SIMD_FLAG_PREFIXES = ("avx", "amx")  # the CPU flags that decide which matmul kernels torch can use
 
@@ -29,7 +32,8 @@ def read_table(path: str | Path) -> dict[str, Any] | None:
 
 
 def write_entry(path: str | Path, key: str, value: Any) -> None:
-    """Set table[key] = value in `path`, atomically (a temporary file renamed over it)."""
+    """Set table[key] = value in `path`, atomically (a temporary file renamed over it), making its folder if need be
+    (a $MINILADE_TABLES not made yet)."""
     path = Path(path)
     table = read_table(path)
     if table is None:
@@ -37,10 +41,30 @@ def write_entry(path: str | Path, key: str, value: Any) -> None:
     table[key] = value
     tmp = path.with_suffix(".tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
         tmp.replace(path)
     except OSError:
         pass  # a table that cannot be written only costs a new measurement next time
+
+
+_NESTING = threading.local()  # measuring()'s depth in this thread
+
+
+@contextlib.contextmanager
+def measuring(what: str, table: str | Path | None) -> Iterator[None]:
+    """Around a measurement that will be kept in `table`: one line on stderr saying what is measured (a first run on
+    a machine spends some 20 s measuring the demo model), unless it is not to be kept (table None: it is measured at
+    every load, as the caller asked) or it is part of a measurement already announced."""
+    depth = getattr(_NESTING, "depth", 0)
+    if table is not None and depth == 0:
+        print(f"minilade: measuring {what} on this machine (once: kept in {Path(table).parent})", file=sys.stderr,
+              flush=True)
+    _NESTING.depth = depth + 1
+    try:
+        yield
+    finally:
+        _NESTING.depth = depth
 
 
 @functools.cache

@@ -16,7 +16,7 @@ from torch import nn
 from ..frame_stack import on_fresh_frame_chunk
 from ..invariance import KERNELS_VERSION
 from ..masks import CandidateTree, LookaheadLayout, StepShape
-from ..memo import processor, read_table, write_entry
+from ..memo import measuring, processor, read_table, write_entry
 from ..model import Transformer
 from ..sampling import Sampler, SamplingParams
 from .autoregressive import AutoregressiveDecoder
@@ -170,10 +170,11 @@ def step_costs_for(model: Transformer, sizes: Sequence[int], cost_file: str | Pa
     ticket = secrets.randbits(64)  # rank 0 is the one process that gets its own ticket back
     missing, first_ticket = agree(([T for T in sizes if T not in known], ticket))
     if missing:
-        known.update(measure_step_costs(model, sorted(set(missing) | {1})))
-        if not agree(plausible(known)):
-            known.clear()
-            known.update(measure_step_costs(model, sorted(set(sizes) | {1})))
+        with measuring(f"what steps of 1 to {max(missing)} rows cost", cost_file if first_ticket == ticket else None):
+            known.update(measure_step_costs(model, sorted(set(missing) | {1})))
+            if not agree(plausible(known)):
+                known.clear()
+                known.update(measure_step_costs(model, sorted(set(sizes) | {1})))
         if cost_file is not None and first_ticket == ticket:
             _write_costs(Path(cost_file), key, known)
     return StepCosts(agree({T: known.get(T, 0.0) for T in set(sizes) | {1}}))
