@@ -41,10 +41,15 @@ def has_int4_codes(checkpoint: Checkpoint) -> bool:
 
 
 def tables_dir(tables: str | Path | bool | None) -> Path | None:
-    """The folder `tables` names: True, the command line's (kept_tables_dir); False or None, none."""
-    if tables is True:
-        return kept_tables_dir()
-    return None if tables is False or tables is None else Path(tables).expanduser()
+    """The folder `tables` names: True, the command line's (kept_tables_dir); False or None, none. A path to
+    something other than a folder is a ValueError (made where it does not exist yet, when first written)."""
+    if tables is False or tables is None:
+        return None
+    folder = kept_tables_dir() if tables is True else Path(tables).expanduser()
+    if folder.exists() and not folder.is_dir():
+        where = "$MINILADE_TABLES" if tables is True else "tables"
+        raise ValueError(f"{where} names {folder}, which is not a folder: measurements are kept in a folder")
+    return folder
 
 
 def device_and_dtype(device: str | torch.device | None, dtype: str | torch.dtype | None

@@ -137,6 +137,14 @@ def test_a_tiny_temperature_samples_the_argmax(tiny_checkpoint: Path) -> None:
     assert json.loads(cold.stdout)["token_ids"] == json.loads(greedy.stdout)["token_ids"]
 
 
+
+def test_minilade_tables_naming_a_file_is_a_one_line_error(tiny_checkpoint: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setenv("MINILADE_TABLES", str(afile))
+    assert_cli_error(run_cli("hello", "--ckpt", str(tiny_checkpoint)), f"$MINILADE_TABLES names {afile}, which is not")
+
 def test_a_prompt_that_is_not_utf8(tiny_checkpoint: Path) -> None:
     """Bytes that are not UTF-8 on the command line arrive as lone surrogates; on stdin they fail to decode."""
     assert main(["a \udcff b", "--ckpt", str(tiny_checkpoint)]) == 2

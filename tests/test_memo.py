@@ -9,6 +9,7 @@ import pytest
 
 from minilade.checkpoints.resolve import default_weights_dir, kept_tables_dir
 from minilade.device import make_exact
+from minilade.loading import tables_dir
 from minilade.memo import measuring, read_table, write_entry
 from tests.helpers import tiny_model
 
@@ -44,3 +45,14 @@ def test_a_kept_measurement_says_so_once_and_a_nested_one_not_at_all(tmp_path: P
     assert capsys.readouterr().err.count("\n") == 1
     make_exact(tiny_model(preset="tiny-mha"), None)
     assert capsys.readouterr().err == ""
+
+
+
+def test_tables_that_name_a_file_are_refused(tmp_path: Path) -> None:
+    """A file where the kept tables' folder should be: refused before anything is loaded or measured, not a misleading
+    complaint about a table in it (the command line's: tests/test_cli.py)."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(ValueError, match="^tables names .*afile, which is not a folder"):
+        tables_dir(afile)
+    assert tables_dir(tmp_path / "not-yet") == tmp_path / "not-yet"  # made when first written
