@@ -71,10 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "autoregressive: plain decoding, one token per forward pass")
     s.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="how the decoding steps of every strategy run (CPU). auto (default): as native C++ layers "
-                        "for w7a8 models in float32 (built once a machine, some 20 s on 2 cores), else as compiled graphs "
-                        "(torch.compile: the first run on a machine compiles them, under a minute on 2 cores; later "
-                        "runs load them in some 5 s), where they pass the exactness check and measure faster than "
-                        "eager steps here; on: compiled graphs wherever they pass the check; off: eager steps")
+                        "for w7a8 models in float32 (built once a machine, some 20 s on 2 cores), else as compiled "
+                        "graphs (torch.compile: the first run on a machine compiles them, under a minute on 2 cores; "
+                        "later runs load them in some 5 s), where they pass the exactness check and measure faster "
+                        "than eager steps here; on: compiled graphs wherever they pass the check; off: eager steps")
     add_strategy_options(s)
     d = p.add_argument_group("hardware")
     d.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (CUDA only)")
