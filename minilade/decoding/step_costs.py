@@ -170,13 +170,14 @@ def step_costs_for(model: Transformer, sizes: Sequence[int], cost_file: str | Pa
     ticket = secrets.randbits(64)  # rank 0 is the one process that gets its own ticket back
     missing, first_ticket = agree(([T for T in sizes if T not in known], ticket))
     if missing:
-        with measuring(f"what steps of 1 to {max(missing)} rows cost", cost_file if first_ticket == ticket else None):
+        kept_in = cost_file if first_ticket == ticket else None  # rank 0 keeps them, and says so
+        with measuring(f"what steps of 1 to {max(missing)} rows cost", kept_in):
             known.update(measure_step_costs(model, sorted(set(missing) | {1})))
             if not agree(plausible(known)):
                 known.clear()
                 known.update(measure_step_costs(model, sorted(set(sizes) | {1})))
-        if cost_file is not None and first_ticket == ticket:
-            _write_costs(Path(cost_file), key, known)
+        if kept_in is not None:
+            _write_costs(Path(kept_in), key, known)
     return StepCosts(agree({T: known.get(T, 0.0) for T in set(sizes) | {1}}))
 
 
