@@ -37,8 +37,8 @@ class CachePool:
         if not isinstance(runner, CompiledSteps) or runner.graphs is None:
             raise ValueError("a cache pool's passes need the model's steps compiled and kept in a folder")
         self.model, self.runner = model, runner
-        self.graphs = graphs or SavedGraphs(runner.graphs, f"{cost_key(model)}|pool", traced=pool_layers_step,
-                                            mark=mark_pool_sizes)
+        self.graphs = graphs if graphs is not None else SavedGraphs(
+            runner.graphs, f"{cost_key(model)}|pool", traced=pool_layers_step, mark=mark_pool_sizes)
         self.buffer: PaddedKVCache | None = None
         self.layer_keys: list[torch.Tensor] = []  # per layer, (slots, Hkv, S, D): views of the buffer (layer_views)
         self.layer_values: list[torch.Tensor] = []

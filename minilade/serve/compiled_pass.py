@@ -76,14 +76,15 @@ class SharedPasses:
         if not isinstance(runner, CompiledSteps) or runner.graphs is None:
             raise ValueError("shared compiled passes need the model's steps compiled and kept in a folder")
         self.runner = runner
-        self.graphs = checked.graphs if checked else SavedGraphs(
+        self.graphs = checked.graphs if checked is not None else SavedGraphs(
             runner.graphs, f"{cost_key(model)}|pass", traced=pass_layer_step, mark=mark_pass_sizes)
-        self.pool = CachePool(model, checked.pool_graphs if checked else None)
+        self.pool = CachePool(model, checked.pool_graphs if checked is not None else None)
         self.largest_group = largest_group
         self.refused: set[str] = set()  # kinds whose graph refused a pass (unless_refused)
         # A pool pass of k >= 2 one-row calls costs (base + per_call * k) one-row steps; each wider call of a group
         # but the dearest, group_share of its step alone (measure_passes, in checked).
-        self.pool_costs, self.group_share = (checked.pool_costs, checked.group_share) if checked else ((1.0, 0.5), 1.0)
+        self.pool_costs, self.group_share = ((checked.pool_costs, checked.group_share) if checked is not None
+                                             else ((1.0, 0.5), 1.0))
 
     @classmethod
     def checked(cls, model: Transformer, max_calls: int = GROUP) -> SharedPasses | None:
