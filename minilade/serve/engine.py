@@ -42,6 +42,7 @@ import torch
 from ..decoding import GenerationSettings
 from ..decoding.auto import Auto
 from ..drafts.history import DraftHistory
+from ..invariance import reusable_rows, splits_exactly
 from ..kv_cache import KVCache
 from ..llm import LLM, TextStream
 from ..model import Transformer
@@ -59,7 +60,6 @@ from .prefill import (
     PrefixCache,
     is_prefill,
     prefill_calls,
-    splits_exactly,
 )
 
 log = logging.getLogger("minilade.serve")
@@ -293,7 +293,8 @@ class Engine:
             self.metrics.generation(stream.result.stats, cached_tokens=job.cached_tokens)
             cache = view._take_cache()  # given back by the finished stream
             if self.prefixes is not None and self.split_prefills and cache is not None:
-                self.prefixes.keep(job.prompt_ids + stream.result.token_ids, cache)
+                ids = job.prompt_ids + stream.result.token_ids
+                self.prefixes.keep(ids[:reusable_rows(self.llm.model, len(job.prompt_ids), cache.length)], cache)
             job.deliver("done", stream.result)
         except Cancelled:
             self.metrics.add("minilade_requests_cancelled_total")

@@ -11,8 +11,9 @@ at most one such pass), PREFILL_ALONE while none does (nobody waits, and wider p
 
 The answer is the same with or without reuse, in one piece or in chunks: with the exact backend every row of a
 prefill goes through the batch-invariant attention (invariance.ExactAttention), so the K/V and logits of row r
-depend only on the tokens up to r, not on how the prompt was split between passes or whether row r was computed as
-a prompt or an answer row (splits_exactly; elsewhere the prefill runs whole, and nothing is kept).
+depend only on the tokens up to r, not on how the prompt was split between passes (invariance.splits_exactly;
+elsewhere the prefill runs whole, and nothing is kept). A finished request's answer rows are kept only where its
+steps wrote the bits a prefill gives the same tokens (invariance.reusable_rows: not under compiled steps).
 """
 
 from __future__ import annotations
@@ -24,9 +25,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..invariance import ExactAttention
 from ..kv_cache import KVCache
-from ..model import Transformer
 from ..verify import common_prefix
 from .batched import ForwardCall
 
@@ -134,9 +133,3 @@ def prefill_calls(call: ForwardCall, hit: Hit | None, chunk: int | Callable[[], 
                               prefill_part=True)
             a = b
     return start, calls()
-
-
-def splits_exactly(model: Transformer) -> bool:
-    """True where a prompt's K/V and logits do not depend on how it is split between passes: the exact backend's
-    attention, which runs every row of a prefill through the invariant kernel."""
-    return isinstance(model.attention_kernel, ExactAttention)

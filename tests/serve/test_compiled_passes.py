@@ -248,6 +248,36 @@ def test_concurrent_answers_equal_alone_through_compiled_steps(llm):
     served_answers_equal_alone(llm, SharedPasses)
 
 
+def test_a_next_turn_starts_from_kept_rows_with_a_prefills_bits(llm):
+    """A finished request's rows kept for the prompts that begin with them hold what a prefill of the same tokens
+    writes: under compiled steps its prompt's rows only (its answer's were written by the graphs, which round
+    otherwise than the eager prefill that reads prompts). The next turn, which resends the answer, answers as alone."""
+    prefixes = PrefixCache(1 << 24)
+    engine = Engine(llm, max_concurrent=2, prefixes=prefixes)
+    engine.start()
+    first_prompt = [(5 * i) % 37 + 2 for i in range(20)]
+    settings = GenerationSettings(make_strategy("autoregressive"), max_new_tokens=12)
+    try:
+        first, events = make_job(first_prompt, settings)
+        engine.submit(first)
+        kind, answer = outcome(events)
+        assert kind == "done" and len(answer.token_ids) == 12
+        next_prompt = first_prompt + answer.token_ids + [3, 4, 5]
+        second, events = make_job(next_prompt, settings)
+        engine.submit(second)
+        kind, reply = outcome(events)
+    finally:
+        engine.stop()
+    assert kind == "done" and second.cached_tokens == len(first_prompt)
+    kept = prefixes.find(next_prompt).kept
+    n = len(kept.ids)
+    cache = llm.model.new_cache(n + 4)
+    with torch.inference_mode():
+        llm.model(torch.tensor([list(kept.ids)]), torch.arange(n), cache)
+    assert torch.equal(cache.k[:, :, :, :n], kept.k) and torch.equal(cache.v[:, :, :, :n], kept.v)
+    assert reply.token_ids == llm.generate(next_prompt, max_new_tokens=12, strategy="autoregressive").token_ids
+
+
 def served_answers_equal_alone(llm: LLM, passes: type) -> None:
     """Serve greedy auto, lookahead and plain decoding and a seeded sampled request together, with a long prompt read
     in parts from a kept prefix, through an engine whose shared passes are of the type `passes`; assert that every
