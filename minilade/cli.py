@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(owner/name[@revision]), or {DEFAULT_CHECKPOINT} (default; downloaded on first use)")
     p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template to the prompt")
     p.add_argument("--system", help="system message for --chat and --interactive")
-    p.add_argument("--interactive", "-i", action="store_true", help="chat turn by turn on the terminal")
+    p.add_argument("--interactive", "-i", action="store_true",
+                   help="chat turn by turn on the terminal (a turn reads only what the last one left unread: the "
+                        "conversation's K/V are kept)")
     p.add_argument("--prompts", metavar="FILE",
                    help="generate for every prompt of a JSON Lines file ('-': stdin), each line a string or an "
                         "object with \"prompt\" (a string) or \"messages\" (chat messages); prints one JSON object "

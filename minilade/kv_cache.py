@@ -21,6 +21,7 @@ class KVCache:
     def __init__(self, config: ModelConfig, capacity: int, *, batch_size: int = 1,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         self.k, self.v = self.allocate(config, capacity, batch_size, dtype, device)
+        self.dtype = dtype  # what it was made for; its buffers may hold a wider one (invariance.PaddedKVCache)
         self.head_dim = config.head_dim
         self.capacity = capacity
         self.length = 0

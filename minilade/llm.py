@@ -33,6 +33,7 @@ from .decoding.loop import cache_for, check_prompt, fitted_strategy
 from .decoding.step_costs import quantized_layers
 from .device import choose_dtype, choose_quantization, make_exact
 from .integer_linear import pack_layers, w7a8_missing
+from .invariance import reusable_rows
 from .kv_cache import KVCache
 from .loading import device_and_dtype, drop_padded_logits, gguf_codes, has_int4_codes, tables_dir
 from .memory import collection_paused, peak_memory, returning_freed_memory
@@ -41,6 +42,7 @@ from .native_steps import NativeSteps, take_over
 from .parallel import from_rank0, load_shard, process_group
 from .quant import check_options, quantize_embedding, quantize_linears
 from .tokenizer import StreamDecoder, Tokenizer
+from .verify import common_prefix
 
 Messages = list[dict[str, str]]
 Prompt = Union[str, Sequence[int], Messages]
@@ -74,6 +76,8 @@ class LLM:
         self.tables = tables
         self.setup = ""  # how the model runs, in a few words (dtype, quantized layers, eager or compiled steps)
         self._spare_cache: KVCache | None = None  # reused by the next generation; None while one holds it
+        self._spare_ids: tuple[int, ...] = ()  # the tokens whose K/V its first rows hold, with a prefill's bits
+        self._spare_writers: tuple = ()  # the model's step runner and attention kernel when they were written
         self._home = threading.current_thread()  # where the model was loaded (other_thread_warning)
 
     @property
@@ -214,12 +218,25 @@ class LLM:
                     f"{f'; {chose}' if chose else ''}"
         return llm
 
-    def _take_cache(self) -> KVCache | None:
-        cache, self._spare_cache = self._spare_cache, None
-        return cache
+    def drop_kept_rows(self) -> None:
+        """Forget the K/V the last generation left (TextStream), so that the next one reads its whole prompt: for
+        timing a prompt's prefill, or strategies side by side on one prompt, as each runs alone."""
+        self._spare_ids = ()
 
-    def _give_back_cache(self, cache: KVCache) -> None:
-        self._spare_cache = cache
+    def _take_cache(self) -> tuple[KVCache | None, tuple[int, ...]]:
+        """The spare cache (None while a generation holds it) and the tokens whose K/V its first rows hold, with
+        the bits a prefill gives them (none where the model's step runner or attention kernel changed since)."""
+        cache, ids, writers = self._spare_cache, self._spare_ids, self._spare_writers
+        self._spare_cache, self._spare_ids, self._spare_writers = None, (), ()
+        same = len(writers) == 2 and all(a is b for a, b in zip(writers, self._writers()))
+        return cache, ids if cache is not None and same else ()
+
+    def _give_back_cache(self, cache: KVCache, ids: tuple[int, ...] = ()) -> None:
+        self._spare_cache, self._spare_ids, self._spare_writers = cache, ids, self._writers()
+
+    def _writers(self) -> tuple:
+        """What decides the bits of the K/V a generation writes: the model's step runner and attention kernel."""
+        return self.model.step_runner, self.model.attention_kernel
 
     def encode(self, prompt: Prompt, *, chat: bool = False, system: str | None = None) -> list[int]:
         """Token ids for a prompt: text (through the chat template when chat is set), chat messages, or ids
@@ -330,23 +347,30 @@ class TextStream:
     """Streams the text of one generation: never a broken character, never a piece of a stop string.
 
     It holds the LLM's KV cache from creation until it is exhausted or closed; a generation started meanwhile
-    gets a cache of its own, so streams never disturb each other.
+    gets a cache of its own, so streams never disturb each other. The cache comes back with the K/V of the prompt
+    and answer, and the next generation whose prompt begins with the same tokens (a chat's next turn resends the
+    conversation) reads only the rest of its prompt: the same bits, so the same answer, as reading all of it.
     """
 
     def __init__(self, llm: LLM, prompt_ids: list[int], settings: GenerationSettings) -> None:
         self.llm, self.prompt_ids, self.stop = llm, prompt_ids, settings.stop
         self.result: Generation | None = None
         self._run = TokenRun(GenerationStats())
-        self._cache = cache_for(llm.model, len(prompt_ids), settings, llm._take_cache())
+        spare, spare_ids = llm._take_cache()
+        kept = max(0, min(common_prefix(spare_ids, prompt_ids), len(prompt_ids) - 1))
+        self._cache = cache_for(llm.model, len(prompt_ids), settings, spare, kept)
         self._tokens = decode_tokens(llm.model, prompt_ids, self._run, settings, eos_ids=llm.tokenizer.eos_ids,
-                                     cache=self._cache, agree=functools.partial(from_rank0, llm.model))
+                                     cache=self._cache, kept=self._cache.length,
+                                     agree=functools.partial(from_rank0, llm.model))
 
     def __iter__(self) -> Iterator[str]:
         try:
             yield from self._pieces()
         finally:
             self._tokens.close()
-            self.llm._give_back_cache(self._cache)
+            ids = self.prompt_ids + (self.result.token_ids if self.result is not None else [])
+            kept = reusable_rows(self.llm.model, len(self.prompt_ids), min(len(ids), self._cache.length))
+            self.llm._give_back_cache(self._cache, tuple(ids[:kept]))
 
     def _pieces(self) -> Iterator[str]:
         detok = StreamDecoder(self.llm.tokenizer, skip_special=True)

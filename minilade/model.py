@@ -264,7 +264,8 @@ class Transformer(nn.Module):
         return self.rope_cos[input_pos].unsqueeze(2), self.rope_sin[input_pos].unsqueeze(2)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
-                mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None, *,
+                prefill: bool = False) -> torch.Tensor:
         """Run tokens through the model and write their K/V into the cache at [cache.length, cache.length + T).
 
         tokens: (B, T) token ids. input_pos: (T,) or (B, T) rotary positions; independent of cache slots.
@@ -272,6 +273,9 @@ class Transformer(nn.Module):
             another row of this step. Committed cache rows are always visible. cache.length is not changed:
             the caller commits or compacts afterwards.
         logits_rows: (R,) indices of the rows to project to the vocabulary; None for all T rows.
+        prefill: the rows are a prompt's (after the part of it already in the cache, if any), computed as a
+            prompt's prefill computes them: eagerly, unless the step runner runs prefills too. A forward over an
+            empty cache is one anyway.
         Returns logits: (B, R, V) in the model dtype.
         """
         B, T = tokens.shape
@@ -279,8 +283,9 @@ class Transformer(nn.Module):
         if input_pos.dim() == 1:
             input_pos = input_pos.unsqueeze(0)
         self.cover_positions(cache.capacity)
-        if self.step_runner is not None and (cache.length or self.step_runner.runs_prefill):
-            return self.step_runner(self, tokens, input_pos, cache, mask, logits_rows)
+        runner = self.step_runner
+        if runner is not None and (runner.runs_prefill or cache.length and not prefill):
+            return runner(self, tokens, input_pos, cache, mask, logits_rows)
         cos, sin = self.rotary(input_pos)  # (B|1, T, 1, D)
         past, kernel = cache.length, self.attention_kernel
         visible, reach = self.step_masks(mask, past, T, input_pos)

@@ -188,3 +188,31 @@ def sample_counts(model: Transformer, strategy: Strategy, params: SamplingParams
         counts[tuple(tokens)] += 1
         steps_with_acceptance += sum(c for k, c in run.stats.tokens_per_step.items() if k > 1)
     return counts, steps_with_acceptance
+
+
+def assert_next_turns_answer_as_alone(llm, first_prompt: list[int], more: list[int], *, answer_kept: bool = True,
+                                      max_new_tokens: int = 12) -> None:
+    """A prompt that begins with an earlier generation's prompt and answer (a chat's next turn) reads only the rest
+    of itself from the K/V that generation left (all but the last of its rows, or its prompt's alone where
+    `answer_kept` is False), and its answer and every K/V row it leaves are bitwise the ones it gets with nothing
+    kept: greedy plain decoding, lookahead and auto, and auto sampled with a seed. The reply's prefill runs in one
+    part and in several (PREFILL_ROWS)."""
+    cases = [("autoregressive", {}), ("lookahead", {}), ("auto", {}), ("auto", {"temperature": 0.8, "seed": 3})]
+    for strategy, sampling in cases:
+        options = dict(max_new_tokens=max_new_tokens, strategy=strategy, **sampling)
+        first = llm.generate(first_prompt, **options)
+        following = first.prompt_ids + first.token_ids + more
+        reply = llm.generate(following, **options)
+        least = len(first.prompt_ids) + len(first.token_ids) - 1 if answer_kept else len(first.prompt_ids)
+        assert least <= reply.stats.kept_tokens < len(following), (strategy, reply.stats.kept_tokens)
+        assert answer_kept or reply.stats.kept_tokens == least
+        cache, ids = llm._take_cache()
+        k, v = cache.k[:, :, :, :len(ids)].clone(), cache.v[:, :, :, :len(ids)].clone()
+        llm._give_back_cache(cache, ids)
+        llm.drop_kept_rows()
+        alone = llm.generate(following, **options)
+        assert alone.stats.kept_tokens == 0
+        assert reply.token_ids == alone.token_ids, (strategy, sampling)
+        cache, alone_ids = llm._take_cache()
+        assert alone_ids[:len(ids)] == ids
+        assert torch.equal(cache.k[:, :, :, :len(ids)], k) and torch.equal(cache.v[:, :, :, :len(ids)], v), strategy

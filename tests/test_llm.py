@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 from pathlib import Path
@@ -10,8 +11,9 @@ import pytest
 import torch
 
 from minilade import LLM, Lookahead
+from minilade.invariance import PREFILL_ROWS
 
-from .helpers import write_tiny_checkpoint
+from .helpers import assert_next_turns_answer_as_alone, write_tiny_checkpoint
 
 pytest.importorskip("transformers")
 
@@ -48,6 +50,33 @@ def test_a_finished_stream_hands_its_cache_to_the_next(llm: LLM, monkeypatch) ->
     next(held)  # this stream holds the cache now
     llm.generate("c d", max_new_tokens=4)
     assert len(made) == 1  # so the next generation needed a cache of its own
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_next_turn_starts_from_the_rows_the_last_generation_left(tmp_path, dtype: str) -> None:
+    """Eager exact steps: a prompt that resends the last prompt and answer reads only the rest of itself, and gets
+    the answer and K/V it gets alone; the rest in one part, and in several where it is longer than PREFILL_ROWS (the
+    cache then made anew, the kept rows copied into it)."""
+    folder = write_tiny_checkpoint(tmp_path, WORDS, max_positions=640)
+    llm = LLM.load(Path(folder), dtype=dtype, device="cpu", progress=False, compile=False)
+    assert llm.model.step_runner is None
+    first = llm.encode("a b c hello")
+    assert_next_turns_answer_as_alone(llm, first, llm.encode(" the cat sat"))
+    longer = llm.encode(" the cat sat on the mat" * 60)
+    assert len(longer) > PREFILL_ROWS
+    assert_next_turns_answer_as_alone(llm, first, longer)
+
+
+def test_rows_written_by_other_kernels_are_not_kept(llm: LLM, monkeypatch) -> None:
+    """The K/V a generation leaves serve the next one only while the model's attention kernel and step runner are
+    the ones that wrote them; a prompt that shares nothing with them keeps none either."""
+    first = llm.generate("a b c", max_new_tokens=6)
+    following = first.prompt_ids + first.token_ids
+    assert llm.generate(following, max_new_tokens=2).stats.kept_tokens > 0
+    assert llm.generate([7, 8, 9], max_new_tokens=2).stats.kept_tokens == 0
+    llm.generate(following, max_new_tokens=2)
+    monkeypatch.setattr(llm.model, "attention_kernel", copy.copy(llm.model.attention_kernel))
+    assert llm.generate(following, max_new_tokens=2).stats.kept_tokens == 0
 
 
 def test_generating_in_another_thread_than_the_loading_one_warns_once(llm: LLM, monkeypatch) -> None:

@@ -11,6 +11,7 @@ from minilade.llm import LLM
 from minilade.native_steps import NativeSteps, native_missing
 from minilade.serve.native_pass import NativePasses
 
+from .helpers import assert_next_turns_answer_as_alone
 from .test_real_model import assert_equal_plain_decoding, assert_prefill_parts_equal_whole
 
 pytestmark = pytest.mark.real_model
@@ -36,3 +37,10 @@ def test_greedy_auto_and_lookahead_equal_plain_decoding_through_native_steps(llm
 
 def test_a_prompt_read_in_parts_through_native_passes_gives_the_bits_of_one_piece(llm) -> None:
     assert_prefill_parts_equal_whole(llm, NativePasses.checked(llm.model))
+
+
+def test_a_chats_next_turn_starts_from_the_last_turns_rows_through_native_steps(llm) -> None:
+    """Native steps run prefills too, so the next turn of a chat keeps the last prompt's and answer's rows and
+    answers as it does alone."""
+    messages = [{"role": "user", "content": "Name a river in Europe."}]
+    assert_next_turns_answer_as_alone(llm, llm.encode(messages), llm.encode(" And one in Asia?"), max_new_tokens=16)

@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from ..invariance import PREFILL_ROWS
 from ..kv_cache import KVCache
 from ..model import Transformer
 from ..sampling import Sampler
@@ -100,14 +101,21 @@ class Decoder(ABC):
         self.ctx = ctx
 
     def prefill(self) -> Step:
-        """Run the prompt through the model and emit the first token."""
+        """Run the prompt through the model and emit the first token. The prompt's first cache.length tokens
+        already have their K/V in the cache (a prefix kept from an earlier generation: LLM); the rest is read in
+        parts of PREFILL_ROWS rows after them (the memory a part's attention holds stays that of one block), each
+        with the bits a whole prefill gives it (the exact kernel: invariance.splits_exactly)."""
         ctx = self.ctx
-        n = len(ctx.tokens)
+        n, past = len(ctx.tokens), ctx.cache.length
+        part = PREFILL_ROWS if past else n
         tokens = torch.tensor([ctx.tokens], device=ctx.device)
-        rows = torch.tensor([n - 1], device=ctx.device)
-        logits = ctx.model(tokens, torch.arange(n, device=ctx.device), ctx.cache, logits_rows=rows)
-        ctx.cache.commit(n)
-        return Step(self.emit([ctx.sampler.next_token(logits)]), StepKind(), n)
+        for a in range(past, n, part):
+            b = min(a + part, n)
+            rows = torch.tensor([b - a - 1], device=ctx.device)
+            logits = ctx.model(tokens[:, a:b], torch.arange(a, b, device=ctx.device), ctx.cache, logits_rows=rows,
+                               prefill=True)
+            ctx.cache.commit(b - a)
+        return Step(self.emit([ctx.sampler.next_token(logits)]), StepKind(), n - past)
 
     @abstractmethod
     def step(self) -> Step:

@@ -75,36 +75,49 @@ def fitted_strategy(model: Transformer, prompt_len: int, settings: GenerationSet
 
 
 def cache_for(model: Transformer, prompt_len: int, settings: GenerationSettings,
-              cache: KVCache | None = None) -> KVCache:
+              cache: KVCache | None = None, kept: int = 0) -> KVCache:
     """A KV cache for one generation: `cache` when it is large enough and of the kind and dtype the strategy's
     steps read (Strategy.cache_type, model.cache_dtype), else a new one. It needs every position the generation may
-    use plus room for one step's speculative rows."""
+    use plus room for one step's speculative rows. kept: how many of `cache`'s committed rows to keep, the K/V of
+    the prompt's first tokens (a prefix computed before: LLM); copied into a new cache of the same kind, dropped
+    where the kind changes. The cache returned holds them committed, and nothing else."""
     strategy = fitted_strategy(model, prompt_len, settings)
     needed = min(model.config.max_seq_len, prompt_len + settings.max_new_tokens) + strategy.max_step_tokens()
     cache_type = strategy.cache_type(model)
-    if (cache is None or cache.capacity < needed or type(cache) is not cache_type
-            or cache.k.dtype != model.cache_dtype):
-        cache = model.new_cache(needed, cache_type=cache_type)
-    cache.truncate(0)
-    return cache
+    same_kind = cache is not None and type(cache) is cache_type and cache.dtype == model.cache_dtype
+    if same_kind and cache.capacity >= needed:
+        cache.truncate(kept)
+        return cache
+    new = model.new_cache(needed, cache_type=cache_type)
+    if same_kind and kept:
+        new.k[:, :, :, :kept] = cache.k[:, :, :, :kept]
+        new.v[:, :, :, :kept] = cache.v[:, :, :, :kept]
+        new.commit(kept)
+    return new
 
 
 def decode_tokens(model: Transformer, prompt: Sequence[int], run: TokenRun, settings: GenerationSettings, *,
-                  eos_ids: Sequence[int] = (), cache: KVCache | None = None,
+                  eos_ids: Sequence[int] = (), cache: KVCache | None = None, kept: int = 0,
                   agree: Agree = single_process) -> Iterator[int]:
     """New token ids, one at a time, until EOS (yielded, then stop), max_new_tokens or the context is full.
 
     The prompt is checked and the decoder made now; the model runs as the iterator is consumed. The consumer may
     stop early (a stop string); run.stats then counts only the tokens it took. `cache` is used when large enough
-    (see cache_for); nothing else may use it until the iterator is exhausted or closed. `agree`: rank 0's value of
-    what it is given, for a sharded model (DecodeContext.agree).
+    (see cache_for); nothing else may use it until the iterator is exhausted or closed. kept: how many of the
+    cache's committed rows are the K/V of the prompt's first tokens, with the bits a prefill gives them
+    (invariance.reusable_rows), so that the prefill starts after them (fewer than the prompt's tokens: the last
+    one's logits are computed). `agree`: rank 0's value of what it is given, for a sharded model
+    (DecodeContext.agree).
     """
     check_prompt(prompt, model)
+    if not 0 <= kept < len(prompt):
+        raise ValueError(f"kept rows ({kept}) must be fewer than the prompt's {len(prompt)} tokens")
     sampler = Sampler(seeded(settings.sampling, agree), model.device, prompt,  # one seed on every rank
                       model.config.vocab_size)
-    ctx = DecodeContext(model, cache_for(model, len(prompt), settings, cache), sampler, list(prompt),
+    ctx = DecodeContext(model, cache_for(model, len(prompt), settings, cache, kept), sampler, list(prompt),
                         model.config.max_seq_len, agree)
     run.stats.strategy, run.stats.prompt_tokens = settings.strategy.name, len(prompt)
+    run.stats.kept_tokens = ctx.cache.length
     with torch.inference_mode():
         decoder = fitted_strategy(model, len(prompt), settings).make_decoder(ctx)
     return _run_decoder(decoder, run, settings.max_new_tokens, frozenset(eos_ids))

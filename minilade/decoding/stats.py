@@ -14,6 +14,7 @@ class GenerationStats:
 
     strategy: str = ""
     prompt_tokens: int = 0
+    kept_tokens: int = 0  # prompt tokens whose K/V were kept from an earlier generation, not read again
     new_tokens: int = 0
     steps: int = 0
     prefill_s: float = 0.0
@@ -60,7 +61,8 @@ class GenerationStats:
     def summary(self) -> str:
         hist = " ".join(f"{k}:{v}" for k, v in sorted(self.tokens_per_step.items()))
         kinds = ", ".join(f"{k} x{v}" for k, v in self.step_kinds.most_common()) if len(self.step_kinds) > 1 else ""
-        return (f"[{self.strategy}] prompt {self.prompt_tokens} tok, new {self.new_tokens} tok in "
+        kept = f" ({self.kept_tokens} kept)" if self.kept_tokens else ""
+        return (f"[{self.strategy}] prompt {self.prompt_tokens} tok{kept}, new {self.new_tokens} tok in "
                 f"{self.forward_passes} passes ({self.compression:.2f} tok/pass), "
                 f"prefill {self.prefill_s * 1e3:.0f} ms, "
                 f"decode {self.decode_s * 1e3:.0f} ms ({self.step_ms:.1f} ms/step), {self.tokens_per_s:.1f} tok/s"

@@ -145,13 +145,14 @@ class Slot:
 
 
 class ModelProxy:
-    """What a decoder sees as its model: the real model's config, device, dtype, attention kernel and caches, but a
-    forward call goes to the engine (Transformer.forward's signature)."""
+    """What a decoder sees as its model: the real model's config, device, dtype, attention kernel, step runner and
+    caches, but a forward call goes to the engine (Transformer.forward's signature)."""
 
     def __init__(self, engine: Engine, slot: Slot) -> None:
         self._engine, self._slot, model = engine, slot, engine.llm.model
         self.config, self.attention_kernel, self.device, self.dtype = (model.config, model.attention_kernel,
                                                                         model.device, model.dtype)
+        self.step_runner = model.step_runner
         self.cache_type, self.cache_dtype = model.cache_type, model.cache_dtype
 
     def new_cache(self, capacity: int | None = None, batch_size: int = 1, cache_type: type[KVCache] | None = None
@@ -164,7 +165,10 @@ class ModelProxy:
         return cache
 
     def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: KVCache,
-                 mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+                 mask: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None, *,
+                 prefill: bool = False) -> torch.Tensor:
+        """As Transformer.forward. A request's decoder starts from an empty cache, so its prefill is the call
+        is_prefill knows by its shape, read here from the engine's kept rows and in chunks (prefill.py)."""
         call, slot = ForwardCall(tokens, input_pos, cache, mask, logits_rows), self._slot
         if not self._engine.split_prefills or not is_prefill(call, len(slot.job.prompt_ids)):
             return self._engine.forward(slot, call)
@@ -291,7 +295,7 @@ class Engine:
             for piece in stream:
                 job.deliver("piece", piece)
             self.metrics.generation(stream.result.stats, cached_tokens=job.cached_tokens)
-            cache = view._take_cache()  # given back by the finished stream
+            cache, _ = view._take_cache()  # given back by the finished stream
             if self.prefixes is not None and self.split_prefills and cache is not None:
                 ids = job.prompt_ids + stream.result.token_ids
                 self.prefixes.keep(ids[:reusable_rows(self.llm.model, len(job.prompt_ids), cache.length)], cache)

@@ -63,6 +63,7 @@ class Runner:
         return self._transformers(contender, ids, budget)
 
     def _minilade(self, contender: Contender, ids: list[int], budget: int, temperature: float, seed: int) -> Run:
+        self.llm.drop_kept_rows()  # each contender reads the whole prompt, as it does alone
         start = time.perf_counter()
         out = self.llm.generate(ids, max_new_tokens=budget, strategy=contender.strategy, temperature=temperature,
                                 seed=seed if temperature > 0 else None)

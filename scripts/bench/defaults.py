@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         for prompt in (field(json.loads(line)) for line in lines):
             tokens = {}
             for c, (llm, strategy) in configs.items():
+                llm.drop_kept_rows()  # each reads the whole prompt, as it does alone
                 g = llm.generate(prompt, chat=chat, max_new_tokens=args.max_new_tokens, strategy=strategy)
                 rate[c].append(g.stats.new_tokens / (g.stats.prefill_s + g.stats.decode_s))
                 tokens[c] = g.token_ids

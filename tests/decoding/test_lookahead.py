@@ -116,7 +116,7 @@ class CountingModel(torch.nn.Module):
         self.device = torch.device("cpu")
         self.calls: list[tuple[list[int], list[int]]] = []
 
-    def forward(self, tokens, input_pos, cache, mask=None, logits_rows=None):
+    def forward(self, tokens, input_pos, cache, mask=None, logits_rows=None, prefill=False):
         positions = input_pos.reshape(-1)
         rows = torch.arange(tokens.shape[1]) if logits_rows is None else logits_rows
         self.calls.append((positions.tolist(), rows.tolist()))

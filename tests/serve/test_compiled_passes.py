@@ -19,7 +19,7 @@ from minilade.serve.cache_pool import CachePool
 from minilade.serve.compiled_pass import GROUP, SharedPasses, groups
 from minilade.serve.engine import Engine, Job
 from minilade.serve.prefill import PrefixCache
-from tests.helpers import FLAT_COSTS
+from tests.helpers import FLAT_COSTS, assert_next_turns_answer_as_alone
 
 from .test_engine import outcome
 
@@ -276,6 +276,12 @@ def test_a_next_turn_starts_from_kept_rows_with_a_prefills_bits(llm):
         llm.model(torch.tensor([list(kept.ids)]), torch.arange(n), cache)
     assert torch.equal(cache.k[:, :, :, :n], kept.k) and torch.equal(cache.v[:, :, :, :n], kept.v)
     assert reply.token_ids == llm.generate(next_prompt, max_new_tokens=12, strategy="autoregressive").token_ids
+
+
+def test_a_next_turn_through_compiled_steps_starts_from_the_last_prompts_rows(llm):
+    """LLM.generate under compiled steps: a prompt that resends the last prompt and answer starts from the last
+    prompt's rows only (its answer's were written by the graphs) and gets the answer and K/V it gets alone."""
+    assert_next_turns_answer_as_alone(llm, [(3 * i) % 29 + 2 for i in range(20)], [4, 5, 6], answer_kept=False)
 
 
 def served_answers_equal_alone(llm: LLM, passes: type) -> None:
