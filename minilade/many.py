@@ -1,7 +1,9 @@
 """Many prompts at once (LLM.generate_many): their generations share each forward pass on the server's engine
 (serve/engine.py), whose loop runs in the caller's thread, so that the passes use that thread's OpenMP pool rather
 than open a second one (the loading thread's, where the caller loaded the model). Each answer is the one its prompt
-gets alone, as in the server."""
+gets alone, as in the server. A prompt that begins with what a finished generation of the call read and wrote (a
+shared system prompt or instructions) starts from its rows, as a server's request does (serve/prefill.py), within
+KEPT_BYTES."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from tqdm import tqdm
 from .decoding import GenerationSettings
 from .llm import LLM, Generation
 from .serve.engine import Engine, Job
+from .serve.prefill import PrefixCache
+
+KEPT_BYTES = 64 << 20  # finished generations' K/V kept for the call's later prompts that begin with them
 
 
 def answer_all(llm: LLM, requests: list[tuple[list[int], GenerationSettings]], concurrency: int,
@@ -25,7 +30,7 @@ def answer_all(llm: LLM, requests: list[tuple[list[int], GenerationSettings]], c
     caller. progress: a bar on stderr counting the finished generations. on_done(index, generation): called as each
     finishes, from its worker thread, one call at a time."""
     finished = threading.Lock()
-    engine = Engine(llm, max_concurrent=concurrency, queue_size=len(requests))
+    engine = Engine(llm, max_concurrent=concurrency, queue_size=len(requests), prefixes=PrefixCache(KEPT_BYTES))
     ended: list[tuple[str, object] | None] = [None] * len(requests)
     jobs: list[Job] = []
     bar = tqdm(total=len(requests), desc="generations", unit="prompt", disable=not progress, file=sys.stderr)

@@ -273,6 +273,18 @@ def test_generate_many_gives_each_prompt_what_it_gets_alone_in_shared_passes(llm
     assert chat[0].prompt_ids == llm.encode("hello", chat=True, system="be brief")
 
 
+def test_generate_many_starts_later_prompts_from_the_rows_of_earlier_ones(llm: LLM) -> None:
+    """Prompts that share a beginning: one at a time, each after the first reads only what the ones before did not
+    (stats.kept_tokens), and answers as it does alone."""
+    shared = llm.encode("the cat sat on the mat " * 4)
+    prompts = [shared + llm.encode(tail) for tail in ("a b", "hello world", "c d")]
+    many = llm.generate_many(prompts, concurrency=1, max_new_tokens=12)
+    assert many[0].stats.kept_tokens == 0 and all(g.stats.kept_tokens >= len(shared) for g in many[1:])
+    for prompt, got in zip(prompts, many):
+        llm.drop_kept_rows()
+        assert got.token_ids == llm.generate(prompt, max_new_tokens=12).token_ids
+
+
 def test_generate_many_checks_every_prompt_before_anything_runs(llm: LLM, monkeypatch) -> None:
     import minilade.serve.engine as engine
 

@@ -206,7 +206,7 @@ async def generate(service: Service, request: Request, chat: bool) -> Response:
         engine.cancel(job)  # nothing happens to a finished job; a client gone frees its place
     if generation is None:
         return Response(status_code=499)  # the client closed the connection; nobody reads this
-    return JSONResponse(answer.whole(generation, job.cached_tokens))
+    return JSONResponse(answer.whole(generation))
 
 
 async def read_json(request: Request, limit: int) -> object:
@@ -255,7 +255,7 @@ async def stream_events(answer: Answer, parsed: Parsed, job: Job, outbox: Outbox
         elif kind == "done":
             yield sse(answer.chunk(held, value))
             if parsed.include_usage:
-                yield sse(answer.usage_chunk(value, job.cached_tokens))
+                yield sse(answer.usage_chunk(value))
             yield sse("[DONE]")
             return
         else:

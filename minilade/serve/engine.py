@@ -294,7 +294,8 @@ class Engine:
             stream = TextStream(view, job.prompt_ids, self.pass_settings(job.settings, slot.member))
             for piece in stream:
                 job.deliver("piece", piece)
-            self.metrics.generation(stream.result.stats, cached_tokens=job.cached_tokens)
+            stream.result.stats.kept_tokens = job.cached_tokens  # read from the engine's kept rows
+            self.metrics.generation(stream.result.stats)
             cache, _ = view._take_cache()  # given back by the finished stream
             if self.prefixes is not None and self.split_prefills and cache is not None:
                 ids = job.prompt_ids + stream.result.token_ids

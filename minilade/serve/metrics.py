@@ -44,10 +44,10 @@ class Metrics:
         self.add("minilade_pass_requests_total", requests)
         self.add("minilade_rows_fed_total", rows)
 
-    def generation(self, stats: GenerationStats, cached_tokens: int) -> None:
+    def generation(self, stats: GenerationStats) -> None:
         """A finished generation's statistics (its steps were counted by forward_pass as they ran)."""
         self.add("minilade_prompt_tokens_total", stats.prompt_tokens)
-        self.add("minilade_prompt_tokens_cached_total", cached_tokens)
+        self.add("minilade_prompt_tokens_cached_total", stats.kept_tokens)
         self.add("minilade_generated_tokens_total", stats.new_tokens)
         for name, counts in (("minilade_drafts_fed_total", stats.drafts_fed),
                              ("minilade_drafts_accepted_total", stats.drafts_accepted)):

@@ -18,10 +18,11 @@ from ..llm import Generation
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 
 
-def usage(generation: Generation, cached_tokens: int = 0) -> dict:
+def usage(generation: Generation) -> dict:
+    """Tokens in and out; cached: the prompt's tokens read from rows kept from an earlier request."""
     prompt, new = len(generation.prompt_ids), len(generation.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": generation.stats.kept_tokens}}
 
 
 def step_statistics(generation: Generation) -> dict:
@@ -54,7 +55,7 @@ class Answer:
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, generation: Generation, cached_tokens: int = 0) -> dict:
+    def whole(self, generation: Generation) -> dict:
         finish = FINISH_REASONS[generation.finish_reason]
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": generation.text},
@@ -62,7 +63,7 @@ class Answer:
         else:
             choice = {"index": 0, "text": generation.text, "finish_reason": finish, "logprobs": None}
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage(generation, cached_tokens), "minilade": step_statistics(generation)}
+                "usage": usage(generation), "minilade": step_statistics(generation)}
 
     def chunk(self, text: str | None, generation: Generation | None = None, first: bool = False) -> dict:
         """A content chunk (text None: none); the last one passes the finished generation, which gives its
@@ -79,6 +80,6 @@ class Answer:
             body["minilade"] = step_statistics(generation)
         return body
 
-    def usage_chunk(self, generation: Generation, cached_tokens: int = 0) -> dict:
+    def usage_chunk(self, generation: Generation) -> dict:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": usage(generation, cached_tokens)}
+                "usage": usage(generation)}
