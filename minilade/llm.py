@@ -78,6 +78,7 @@ class LLM:
         self._spare_cache: KVCache | None = None  # reused by the next generation; None while one holds it
         self._spare_ids: tuple[int, ...] = ()  # the tokens whose K/V its first rows hold, with a prefill's bits
         self._spare_writers: tuple = ()  # the model's step runner and attention kernel when they were written
+        self._spare_lock = threading.Lock()  # generations in several threads take and give back one at a time
         self._home = threading.current_thread()  # where the model was loaded (other_thread_warning)
 
     @property
@@ -221,18 +222,21 @@ class LLM:
     def drop_kept_rows(self) -> None:
         """Forget the K/V the last generation left (TextStream), so that the next one reads its whole prompt: for
         timing a prompt's prefill, or strategies side by side on one prompt, as each runs alone."""
-        self._spare_ids = ()
+        with self._spare_lock:
+            self._spare_ids = ()
 
     def _take_cache(self) -> tuple[KVCache | None, tuple[int, ...]]:
         """The spare cache (None while a generation holds it) and the tokens whose K/V its first rows hold, with
         the bits a prefill gives them (none where the model's step runner or attention kernel changed since)."""
-        cache, ids, writers = self._spare_cache, self._spare_ids, self._spare_writers
-        self._spare_cache, self._spare_ids, self._spare_writers = None, (), ()
+        with self._spare_lock:
+            cache, ids, writers = self._spare_cache, self._spare_ids, self._spare_writers
+            self._spare_cache, self._spare_ids, self._spare_writers = None, (), ()
         same = len(writers) == 2 and all(a is b for a, b in zip(writers, self._writers()))
         return cache, ids if cache is not None and same else ()
 
     def _give_back_cache(self, cache: KVCache, ids: tuple[int, ...] = ()) -> None:
-        self._spare_cache, self._spare_ids, self._spare_writers = cache, ids, self._writers()
+        with self._spare_lock:
+            self._spare_cache, self._spare_ids, self._spare_writers = cache, ids, self._writers()
 
     def _writers(self) -> tuple:
         """What decides the bits of the K/V a generation writes: the model's step runner and attention kernel."""
