@@ -26,7 +26,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .kv_cache import KVCache, huge_page_zeros
-from .model import SDPAttention, Transformer, step_visibility
+from .model import PREFILL_ROWS, SDPAttention, Transformer, step_visibility
 
 KEY_CHUNK = 64  # keys per chunk of attention's reduction; the k-th key a row sees falls in chunk k // KEY_CHUNK
 # Attention's matmuls run on row counts that are multiples of ROW_TILE and inner and column counts that are
@@ -53,7 +53,6 @@ LOG2_E = 1.4426950408889634  # attention's scores are scaled by it and exponenti
 # 3: reduced-precision matmuls on the CPU on two rows at least (REDUCED_MIN_ROWS); 4: scores summed over the head
 # width in pieces (key_scores); 5: native steps' attention on AVX2 in two registers a value (what a row costs there).
 KERNELS_VERSION = 5
-PREFILL_ROWS = 256  # a prefill's query rows attend in blocks of this many (CausalPrefill)
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -24,6 +24,10 @@ from torch import nn
 from .config import ModelConfig
 from .kv_cache import KVCache
 
+# A prompt's rows are read in blocks of this many: a block's attention holds scores for its own rows only (the exact
+# kernel's invariance.CausalPrefill, and the rest of a prompt after kept rows: decoding.base.Decoder.prefill).
+PREFILL_ROWS = 256
+
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse rotary frequencies (head_dim // 2,), float32, computed as Hugging Face does so that

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minilade import LLM, Lookahead
-from minilade.invariance import PREFILL_ROWS
+from minilade.model import PREFILL_ROWS
 
 from .helpers import assert_next_turns_answer_as_alone, write_tiny_checkpoint
 

@@ -15,9 +15,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from ..invariance import PREFILL_ROWS
 from ..kv_cache import KVCache
-from ..model import Transformer
+from ..model import PREFILL_ROWS, Transformer
 from ..sampling import Sampler
 
 T = TypeVar("T")
@@ -103,7 +102,7 @@ class Decoder(ABC):
     def prefill(self) -> Step:
         """Run the prompt through the model and emit the first token. The prompt's first cache.length tokens
         already have their K/V in the cache (a prefix kept from an earlier generation: LLM); the rest is read in
-        parts of PREFILL_ROWS rows after them (the memory a part's attention holds stays that of one block), each
+        parts of PREFILL_ROWS rows after them (the scores a part's attention holds stay those of one block), each
         with the bits a whole prefill gives it (the exact kernel: invariance.splits_exactly)."""
         ctx = self.ctx
         n, past = len(ctx.tokens), ctx.cache.length
