@@ -24,10 +24,11 @@ from .checkpoints.support import describe_support
 from .decoding import STRATEGIES, GenerationSettings, make_strategy
 from .decoding.loop import check_prompt
 from .errors import CheckpointError, TokenizerError, UnsupportedModelError
-from .llm import LLM, Generation, TextStream
+from .llm import LLM
 from .parallel import end_run, launched_with_ranks, quiet_unless_leader, read_on_leader
 from .quant import check_options
 from .sampling import SamplingParams
+from .text_stream import Generation, TextStream
 
 EXIT_USAGE = 2
 

@@ -14,13 +14,11 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import tempfile
 import threading
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import torch
 
@@ -28,39 +26,23 @@ from .checkpoints import DEFAULT_CHECKPOINT, build_model, meta_model, open_check
 from .checkpoints.generation_config import defaults_from_hf, merge_sampling, read_generation_defaults
 from .checkpoints.hf import config_from_hf
 from .checkpoints.resolve import CHECK_TABLE, COST_TABLE
-from .decoding import Auto, GenerationSettings, GenerationStats, Strategy, TokenRun, decode_tokens, make_strategy
-from .decoding.loop import cache_for, check_prompt, fitted_strategy
+from .decoding import Auto, GenerationSettings, Strategy, make_strategy
+from .decoding.loop import check_prompt, fitted_strategy
 from .decoding.step_costs import quantized_layers
 from .device import choose_dtype, choose_quantization, make_exact
 from .integer_linear import pack_layers, w7a8_missing
-from .invariance import reusable_rows
 from .kv_cache import KVCache
 from .loading import device_and_dtype, drop_padded_logits, gguf_codes, has_int4_codes, tables_dir
-from .memory import collection_paused, peak_memory, returning_freed_memory
+from .memory import collection_paused, returning_freed_memory
 from .model import Transformer
 from .native_steps import NativeSteps, take_over
-from .parallel import from_rank0, load_shard, process_group
+from .parallel import load_shard, process_group
 from .quant import check_options, quantize_embedding, quantize_linears
-from .tokenizer import StreamDecoder, Tokenizer
-from .verify import common_prefix
+from .text_stream import Generation, TextStream
+from .tokenizer import Tokenizer
 
 Messages = list[dict[str, str]]
 Prompt = Union[str, Sequence[int], Messages]
-
-
-@dataclass
-class Generation:
-    text: str
-    token_ids: list[int]  # the new tokens (an EOS token that ended the generation included)
-    prompt_ids: list[int]
-    finish_reason: str    # "eos", "stop", "length" or "context"
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    peak_memory: int | None = None  # bytes: the process's peak resident memory up to the end (peak_memory())
-
-    def as_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "prompt_tokens": len(self.prompt_ids),
-                "finish_reason": self.finish_reason, "stats": self.stats.as_dict(),
-                "peak_memory_mib": None if self.peak_memory is None else round(self.peak_memory / 2**20, 1)}
 
 
 class LLM:
@@ -345,78 +327,3 @@ class LLM:
         warnings.warn(f"minilade: generating in thread {here.name!r}, while {home.name!r}, which loaded the model, "
                       f"still runs: two OpenMP pools can make each step several times slower; generate in the "
                       f"loading thread, or load in a thread that ends", RuntimeWarning, stacklevel=3)
-
-
-class TextStream:
-    """Streams the text of one generation: never a broken character, never a piece of a stop string.
-
-    It holds the LLM's KV cache from creation until it is exhausted or closed; a generation started meanwhile
-    gets a cache of its own, so streams never disturb each other. The cache comes back with the K/V of the prompt
-    and answer, and the next generation whose prompt begins with the same tokens (a chat's next turn resends the
-    conversation) reads only the rest of its prompt: the same bits, so the same answer, as reading all of it.
-    """
-
-    def __init__(self, llm: LLM, prompt_ids: list[int], settings: GenerationSettings) -> None:
-        self.llm, self.prompt_ids, self.stop = llm, prompt_ids, settings.stop
-        self.result: Generation | None = None
-        self._run = TokenRun(GenerationStats())
-        spare, spare_ids = llm._take_cache()
-        kept = max(0, min(common_prefix(spare_ids, prompt_ids), len(prompt_ids) - 1))
-        self._cache = cache_for(llm.model, len(prompt_ids), settings, spare, kept)
-        self._tokens = decode_tokens(llm.model, prompt_ids, self._run, settings, eos_ids=llm.tokenizer.eos_ids,
-                                     cache=self._cache, kept=self._cache.length,
-                                     agree=functools.partial(from_rank0, llm.model))
-
-    def __iter__(self) -> Iterator[str]:
-        try:
-            yield from self._pieces()
-        finally:
-            self._tokens.close()
-            ids = self.prompt_ids + (self.result.token_ids if self.result is not None else [])
-            kept = reusable_rows(self.llm.model, len(self.prompt_ids), min(len(ids), self._cache.length))
-            self.llm._give_back_cache(self._cache, tuple(ids[:kept]))
-
-    def _pieces(self) -> Iterator[str]:
-        detok = StreamDecoder(self.llm.tokenizer, skip_special=True)
-        eos = set(self.llm.tokenizer.eos_ids)
-        longest_stop = max((len(s) for s in self.stop), default=0)
-        ids: list[int] = []
-        text, shown = "", 0
-        for token in self._tokens:
-            ids.append(token)
-            if token in eos:
-                break
-            searched = max(0, len(text) - longest_stop + 1)
-            text += detok.push([token])
-            cut = find_stop(text, self.stop, searched)
-            if cut is not None:
-                text = text[:cut]
-                self._run.finish_reason = "stop"
-                break
-            safe = len(text) - held_back(text, self.stop)
-            if safe > shown:
-                yield text[shown:safe]
-                shown = safe
-        if self._run.finish_reason != "stop":
-            text += detok.finish()
-        if len(text) > shown:
-            yield text[shown:]
-        self.result = Generation(text, ids, self.prompt_ids, self._run.finish_reason, self._run.stats,
-                                 peak_memory())
-
-
-def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
-    """Index where the earliest stop string begins in text[start:] (as an index into text), or None."""
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def held_back(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest end of text that could still grow into a stop string."""
-    longest = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:k]):
-                longest = k
-                break
-    return longest

@@ -15,9 +15,10 @@ from typing import Callable
 from tqdm import tqdm
 
 from .decoding import GenerationSettings
-from .llm import LLM, Generation
+from .llm import LLM
 from .serve.engine import Engine, Job
 from .serve.prefill import PrefixCache
+from .text_stream import Generation
 
 KEPT_BYTES = 64 << 20  # finished generations' K/V kept for the call's later prompts that begin with them
 

@@ -230,7 +230,7 @@ def test_load_keeps_what_it_measured_where_the_cli_does(tmp_path: Path, monkeypa
 def test_an_auto_without_a_cost_file_gets_the_llms(llm: LLM, monkeypatch) -> None:
     """Step costs are kept where the LLM keeps its tables, for auto by name and for an Auto given without a
     cost_file; an Auto's own cost_file stays."""
-    import minilade.llm as module
+    import minilade.text_stream as module
     from minilade import Auto
 
     given, decode = [], module.decode_tokens

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from ..drafts.history import DraftHistory
-from ..llm import Generation
+from ..text_stream import Generation
 from .engine import Engine, Job
 from .errors import APIError, invalid, unavailable
 from .metrics import Metrics

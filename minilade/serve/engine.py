@@ -1,6 +1,6 @@
 """The engine: one thread schedules every forward pass over the model; each request's generation shares them.
 
-Each admitted request runs the library's own generation (llm.TextStream: decode_tokens with any strategy, stop
+Each admitted request runs the library's own generation (text_stream.TextStream: decode_tokens with any strategy, stop
 strings, streaming text) in a worker thread of its own, against a `ModelProxy` instead of the model. The proxy does
 not compute: a decoder's forward call is handed to the engine and the worker blocks until its logits come back. The
 engine waits until every running request is blocked in a forward call (or has finished), then has one pass run over
@@ -44,8 +44,9 @@ from ..decoding.auto import Auto
 from ..drafts.history import DraftHistory
 from ..invariance import reusable_rows, splits_exactly
 from ..kv_cache import KVCache
-from ..llm import LLM, TextStream
+from ..llm import LLM
 from ..model import Transformer
+from ..text_stream import TextStream
 from .batched import ForwardCall, PreparedCall, batched_forward, prepare_call, runs_compiled
 from .compiled_pass import SharedPasses
 from .errors import busy, unavailable
