@@ -277,24 +277,6 @@ class ExactAttention(SDPAttention):
         return invariant_attention(q, *padded_views(cache, layer, step.keys), step)
 
 
-def splits_exactly(model: Transformer) -> bool:
-    """True where a prompt's K/V and logits do not depend on how it is split between passes: the exact attention,
-    which runs every row of a prefill through the invariant kernel (a prompt may then start from kept rows)."""
-    return isinstance(model.attention_kernel, ExactAttention)
-
-
-def reusable_rows(model: Transformer, prompt_len: int, committed: int) -> int:
-    """How many of a finished generation's first `committed` cache rows (its prompt, then its answer) hold the bits
-    a later prompt's prefill computes for the same tokens, so that a prompt beginning with those tokens may start
-    from them: every row where one kernel writes a prompt's rows and an answer's (the exact attention eagerly, or a
-    step runner that runs prefills too: native steps); only the prompt's under compiled steps, whose graphs round
-    differently from the eager prefill that reads prompts; none where a prompt's bits depend on its split."""
-    if not splits_exactly(model):
-        return 0
-    runner = model.step_runner
-    return committed if runner is None or runner.runs_prefill else min(prompt_len, committed)
-
-
 def apply_exact_attention(model: Transformer) -> Transformer:
     """Install ExactAttention as the model's attention kernel (its caches then come padded). The weight matmuls
     are made invariant, and the whole model checked, by minilade.device.make_exact."""

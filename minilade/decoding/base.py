@@ -103,7 +103,7 @@ class Decoder(ABC):
         """Run the prompt through the model and emit the first token. The prompt's first cache.length tokens
         already have their K/V in the cache (a prefix kept from an earlier generation: LLM); the rest is read in
         parts of PREFILL_ROWS rows after them (the scores a part's attention holds stay those of one block), each
-        with the bits a whole prefill gives it (the exact kernel: invariance.splits_exactly)."""
+        with the bits a whole prefill gives it (the exact kernel: text_stream.splits_exactly)."""
         ctx = self.ctx
         n, past = len(ctx.tokens), ctx.cache.length
         part = PREFILL_ROWS if past else n

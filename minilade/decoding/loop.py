@@ -105,7 +105,7 @@ def decode_tokens(model: Transformer, prompt: Sequence[int], run: TokenRun, sett
     stop early (a stop string); run.stats then counts only the tokens it took. `cache` is used when large enough
     (see cache_for); nothing else may use it until the iterator is exhausted or closed. kept: how many of the
     cache's committed rows are the K/V of the prompt's first tokens, with the bits a prefill gives them
-    (invariance.reusable_rows), so that the prefill starts after them (fewer than the prompt's tokens: the last
+    (text_stream.reusable_rows), so that the prefill starts after them (fewer than the prompt's tokens: the last
     one's logits are computed). `agree`: rank 0's value of what it is given, for a sharded model
     (DecodeContext.agree).
     """

@@ -42,11 +42,10 @@ import torch
 from ..decoding import GenerationSettings
 from ..decoding.auto import Auto
 from ..drafts.history import DraftHistory
-from ..invariance import reusable_rows, splits_exactly
 from ..kv_cache import KVCache
 from ..llm import LLM
 from ..model import Transformer
-from ..text_stream import TextStream
+from ..text_stream import TextStream, reusable_rows, splits_exactly
 from .batched import ForwardCall, PreparedCall, batched_forward, prepare_call, runs_compiled
 from .compiled_pass import SharedPasses
 from .errors import busy, unavailable

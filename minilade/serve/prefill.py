@@ -11,9 +11,9 @@ at most one such pass), PREFILL_ALONE while none does (nobody waits, and wider p
 
 The answer is the same with or without reuse, in one piece or in chunks: with the exact backend every row of a
 prefill goes through the batch-invariant attention (invariance.ExactAttention), so the K/V and logits of row r
-depend only on the tokens up to r, not on how the prompt was split between passes (invariance.splits_exactly;
+depend only on the tokens up to r, not on how the prompt was split between passes (text_stream.splits_exactly;
 elsewhere the prefill runs whole, and nothing is kept). A finished request's answer rows are kept only where its
-steps wrote the bits a prefill gives the same tokens (invariance.reusable_rows: not under compiled steps).
+steps wrote the bits a prefill gives the same tokens (text_stream.reusable_rows: not under compiled steps).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from minilade.device import make_exact
-from minilade.invariance import splits_exactly
 from minilade.serve.batched import ForwardCall
 from minilade.serve.prefill import MIN_REUSE, PrefixCache, chunk_end, prefill_calls
+from minilade.text_stream import splits_exactly
 from tests.helpers import tiny_model
 
 
